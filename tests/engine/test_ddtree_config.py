@@ -1,0 +1,90 @@
+"""``--speculative-config`` for ddtree: what is accepted, what it resolves to, and every refusal's message."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def engine_config(target, **spec):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(target), dtype="float32", max_model_len=512, max_num_seqs=8, speculative_config=spec
+    )
+    return args.create_engine_config()
+
+
+def test_ddtree_resolves_to_a_dflash_drafter_with_a_tree(tiny_llama_dir, tiny_llama_dflash_dir):
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
+    spec = config.speculative_config
+    assert spec.method == "dflash" and spec.tree_budget == 4
+    assert spec.tree_depth == 7  # block_size 8 - 1
+    assert spec.num_speculative_tokens == 7  # max(budget, depth): vLLM sizes its reservations by it
+    assert config.scheduler_config.async_scheduling is False
+
+
+def test_defaults_and_explicit_depth(tiny_llama_dir, tiny_llama_dflash_dir):
+    spec = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir)).speculative_config
+    assert spec.tree_budget == 64 and spec.num_speculative_tokens == 64
+    spec = engine_config(
+        tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=2, tree_depth=3
+    ).speculative_config
+    assert (spec.tree_budget, spec.tree_depth, spec.num_speculative_tokens) == (2, 3, 3)
+
+
+def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
+    spec = engine_config(
+        tiny_llama_dir, method="dflash", model=str(tiny_llama_dflash_dir), num_speculative_tokens=7
+    ).speculative_config
+    assert spec.tree_budget is None and spec.tree_depth is None and spec.num_speculative_tokens == 7
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"num_speculative_tokens": 0}, "greater than 0"),
+        ({"num_speculative_tokens": 129}, r"\[1, 128\]"),
+        ({"tree_depth": 8}, "exceeds what one pass of this drafter predicts"),
+        ({"tree_depth": 0}, "greater than or equal to 1"),
+        ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0}, "rejection_sample_method"),
+        ({"draft_sample_method": "probabilistic"}, "draft_sample_method"),
+        ({"disable_padded_drafter_batch": True}, "disable_padded_drafter_batch"),
+        ({"tree_budget": 8}, "give the budget as num_speculative_tokens"),
+        ({"bogus_key": 1}, "bogus_key"),
+    ],
+)
+def test_refused_settings_name_the_fix(tiny_llama_dir, tiny_llama_dflash_dir, spec, message):
+    with pytest.raises(Exception, match=message):
+        engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), **spec)
+
+
+def test_refuses_a_drafter_that_is_not_dflash(tiny_llama_dir, tiny_qwen3_dir):
+    with pytest.raises(Exception, match="needs a DFlash drafter"):
+        engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_qwen3_dir), num_speculative_tokens=4)
+
+
+def test_refuses_missing_drafter(tiny_llama_dir):
+    with pytest.raises(Exception, match='needs a DFlash drafter: add "model"'):
+        engine_config(tiny_llama_dir, method="ddtree", num_speculative_tokens=4)
+
+
+def test_tree_depth_needs_ddtree(tiny_llama_dir, tiny_llama_dflash_dir):
+    with pytest.raises(Exception, match="tree_depth is a ddtree setting"):
+        engine_config(
+            tiny_llama_dir, method="dflash", model=str(tiny_llama_dflash_dir), num_speculative_tokens=7, tree_depth=3
+        )
+
+
+def test_refuses_explicit_async_scheduling(tiny_llama_dir, tiny_llama_dflash_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        async_scheduling=True,
+        speculative_config={"method": "ddtree", "model": str(tiny_llama_dflash_dir), "num_speculative_tokens": 4},
+    )
+    with pytest.raises(Exception, match="--no-async-scheduling"):
+        args.create_engine_config()

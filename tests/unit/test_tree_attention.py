@@ -1,0 +1,309 @@
+"""Tree-masked paged attention: the Triton kernel (interpreter) and the PyTorch path against a float64 dense
+reference built from parent arrays (independent of the bit encoding and of the paging)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_ddtree.attention.torch_tree import (
+    ancestor_mask,
+    cpu_attn_kv_views,
+    tree_attention_torch,
+    triton_attn_kv_views,
+)
+from vllm_ddtree.attention.triton_tree import split_workspace, tree_attention
+
+CTX_LENS = [0, 1, 15, 17, 100]  # not multiples of the block size; 0 = tree only
+
+
+def random_parents(n: int, gen: torch.Generator) -> list[int]:
+    """A random valid tree in TreeBatch order: parent[i] uniform in [0, i)."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def ancestor_sets(parents: list[int]) -> list[set[int]]:
+    out = []
+    for i in range(len(parents)):
+        s, j = set(), i
+        while j >= 0:
+            s.add(j)
+            j = parents[j]
+        out.append(s)
+    return out
+
+
+def encode_bits(all_parents: list[list[int]], n: int) -> torch.Tensor:
+    """TreeBatch.ancestor_bits [R, n, W] int32 (bit j%32 of word j//32), written with explicit two's complement."""
+    w = (n + 31) // 32
+    bits = torch.zeros(len(all_parents), n, w, dtype=torch.int32)
+    for r, parents in enumerate(all_parents):
+        for i, anc in enumerate(ancestor_sets(parents)):
+            words = [0] * w
+            for j in anc:
+                words[j // 32] |= 1 << (j % 32)
+            bits[r, i] = torch.tensor([x - (1 << 32) if x >= 1 << 31 else x for x in words], dtype=torch.int32)
+    return bits
+
+
+class Case:
+    """A batch of requests: contiguous ground-truth K/V per request, scattered into a shuffled paged cache."""
+
+    def __init__(
+        self, ctx_lens, q_lens, budget, hq, hkv, d, bs, dtype, seed, *, layout="nhd", causal=(), rows=None,
+        pad_tokens=0, pad_reqs=0, parents=None,
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        self.R = len(ctx_lens)
+        self.ctx, self.qlen, self.n = list(ctx_lens), list(q_lens), budget + 1
+        self.hq, self.hkv, self.d, self.bs, self.dtype = hq, hkv, d, bs, dtype
+        self.causal = set(causal)
+        seq = [c + q for c, q in zip(ctx_lens, q_lens)]
+        nblk = [math.ceil(s / bs) for s in seq]
+        max_blocks = max(nblk) + 1
+        num_blocks = sum(nblk) + 7
+        perm = torch.randperm(num_blocks, generator=gen)  # shuffled, non-contiguous physical blocks
+        self.block_table = torch.full((self.R + pad_reqs, max_blocks), 10**6, dtype=torch.int32)  # junk past end
+        used = 0
+        for r in range(self.R):
+            self.block_table[r, : nblk[r]] = perm[used : used + nblk[r]].int()
+            used += nblk[r]
+        if layout == "sep":
+            self.k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+            self.v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+        else:
+            kv = torch.randn(num_blocks, hkv, bs, 2 * d, generator=gen).to(dtype)  # logical TRITON_ATTN shape
+            if layout == "nhd":  # vLLM's default physical order (0, 2, 1, 3)
+                kv = kv.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+            self.kv = kv
+            self.k_cache, self.v_cache = triton_attn_kv_views(kv, d)
+        self.keys, self.values = [], []
+        for r in range(self.R):
+            k = torch.randn(seq[r], hkv, d, generator=gen).to(dtype)
+            v = torch.randn(seq[r], hkv, d, generator=gen).to(dtype)
+            t = torch.arange(seq[r])
+            blk = self.block_table[r, t // bs].long()
+            self.k_cache[blk, t % bs] = k
+            self.v_cache[blk, t % bs] = v
+            self.keys.append(k)
+            self.values.append(v)
+        self.parents = parents or [random_parents(self.n, gen) for _ in range(self.R)]
+        # tree_rows: request r -> TreeBatch row; causal requests get -1
+        self.rows = list(rows) if rows is not None else list(range(self.R))
+        for r in self.causal:
+            self.rows[r] = -1
+        n_tree = max([x for x in self.rows if x >= 0], default=-1) + 1
+        tree_parents = [[-1] * self.n for _ in range(max(n_tree, 1))]
+        for r in range(self.R):
+            if self.rows[r] >= 0:
+                tree_parents[self.rows[r]] = self.parents[r]
+        self.bits = encode_bits(tree_parents, self.n)
+        self.tree_rows = torch.tensor(self.rows + [-1] * pad_reqs, dtype=torch.int32)
+        qsl = [0]
+        for q in q_lens:
+            qsl.append(qsl[-1] + q)
+        self.num_tokens = qsl[-1] + pad_tokens
+        qsl += [qsl[-1]] * pad_reqs  # cudagraph-style padding: empty trailing requests
+        self.qsl = torch.tensor(qsl, dtype=torch.int32)
+        self.seq_lens = torch.tensor(seq + [0] * pad_reqs, dtype=torch.int32)
+        self.q = torch.randn(self.num_tokens, hq, d, generator=gen).to(dtype)
+        self.scale = d**-0.5
+
+    def dense_reference(self) -> torch.Tensor:
+        """float64, from contiguous K/V and ancestor sets (NaN rows outside every request)."""
+        g = self.hq // self.hkv
+        out = torch.full((self.num_tokens, self.hq, self.d), float("nan"), dtype=torch.float64)
+        q0 = 0
+        for r in range(self.R):
+            c, n = self.ctx[r], self.qlen[r]
+            anc = ancestor_sets(self.parents[r])
+            mask = torch.zeros(n, c + n, dtype=torch.bool)
+            mask[:, :c] = True
+            for i in range(n):
+                for j in range(n):
+                    mask[i, c + j] = (j <= i) if r in self.causal else (j in anc[i])
+            q = self.q[q0 : q0 + n].double()
+            k = self.keys[r].double().repeat_interleave(g, 1)
+            v = self.values[r].double().repeat_interleave(g, 1)
+            s = torch.einsum("nhd,shd->hns", q, k) * self.scale
+            s = s.masked_fill(~mask[None], float("-inf"))
+            out[q0 : q0 + n] = torch.einsum("hns,shd->nhd", torch.softmax(s, -1), v)
+            q0 += n
+        return out
+
+    def run_triton(self, use_rows=True, **kw) -> torch.Tensor:
+        out = torch.full_like(self.q, float("nan"))  # poison
+        tree_attention(
+            self.q, self.k_cache, self.v_cache, out, self.qsl, self.seq_lens, self.block_table, self.bits,
+            self.scale, tree_rows=self.tree_rows if use_rows else None, **kw,
+        )
+        return out
+
+    def run_torch(self, **kw) -> torch.Tensor:
+        out = torch.full_like(self.q, float("nan"))
+        tree_attention_torch(
+            self.q, self.k_cache, self.v_cache, out, self.qsl, self.seq_lens, self.block_table, self.bits,
+            self.scale, tree_rows=self.tree_rows, **kw,
+        )
+        return out
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # relative L2 error
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, num_valid: int | None = None):
+    n = ref.shape[0] if num_valid is None else num_valid
+    o, rf = out[:n].double(), ref[:n]
+    assert not torch.isnan(o).any(), "unwritten or NaN output rows"
+    rel = ((o - rf).norm() / rf.norm()).item()
+    assert rel < TOL[dtype], f"relative error {rel:.2e} >= {TOL[dtype]:.0e}"
+    assert (o - rf).abs().max().item() < 50 * TOL[dtype] + 1e-5
+
+
+# (dtype, G, head_size, block_size, budget): every value of each axis appears with several others.
+COMBOS = [
+    (torch.float32, 1, 64, 16, 7),
+    (torch.float32, 2, 128, 32, 16),
+    (torch.float32, 4, 64, 32, 63),
+    (torch.float32, 2, 64, 16, 1),
+    (torch.float32, 4, 80, 16, 7),  # non-power-of-2 head size
+    (torch.float32, 3, 64, 16, 16),  # non-power-of-2 GQA ratio: padded rows in every tile
+    (torch.bfloat16, 1, 128, 16, 16),
+    (torch.bfloat16, 2, 64, 16, 63),
+    (torch.bfloat16, 4, 128, 32, 7),
+    (torch.bfloat16, 2, 64, 32, 1),
+    (torch.float16, 4, 64, 16, 16),
+    (torch.float16, 1, 64, 32, 63),
+    (torch.float16, 2, 128, 16, 1),
+]
+
+
+@pytest.mark.parametrize("dtype,g,d,bs,budget", COMBOS, ids=lambda x: str(x).replace("torch.", ""))
+def test_matches_dense_reference(dtype, g, d, bs, budget):
+    hkv = 2
+    c = Case(CTX_LENS, [budget + 1] * len(CTX_LENS), budget, g * hkv, hkv, d, bs, dtype, seed=budget * 31 + d + g)
+    ref = c.dense_reference()
+    assert_close(c.run_triton(), ref, dtype)
+    assert_close(c.run_torch(), ref, dtype)
+
+
+def test_torch_path_float64_is_exact():
+    c = Case([3, 40], [8, 8], 7, 4, 2, 64, 16, torch.float64, seed=1)
+    out = c.run_torch(compute_dtype=torch.float64)
+    torch.testing.assert_close(out, c.dense_reference(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_kv_splits(splits):
+    c = Case([100, 1, 63], [9, 9, 9], 8, 4, 2, 64, 16, torch.float32, seed=splits)  # ctx 1: empty splits
+    ref = c.dense_reference()
+    assert_close(c.run_triton(num_kv_splits=splits), ref, torch.float32)
+    ws = split_workspace(c.num_tokens, c.hq, c.d, splits, "cpu")
+    assert_close(c.run_triton(num_kv_splits=splits, workspace=ws), ref, torch.float32)
+
+
+def test_truncated_trees_and_row_mapping():
+    """q_len < B+1 (the scheduler kept a prefix of the node list) and request r reading TreeBatch row != r."""
+    c = Case([17, 15, 0, 33], [16, 5, 1, 9], 15, 4, 1, 64, 16, torch.float32, seed=7, rows=[3, 0, 2, 1])
+    assert_close(c.run_triton(), c.dense_reference(), torch.float32)
+    assert_close(c.run_torch(), c.dense_reference(), torch.float32)
+
+
+def test_mixed_batch_with_causal_requests():
+    """tree_rows = -1: plain causal rows (a prefill chunk longer than the tree, a 1-token decode) in one launch."""
+    c = Case([0, 20, 17, 5], [40, 8, 1, 8], 7, 4, 2, 64, 16, torch.float32, seed=11, causal=(0, 2))
+    ref = c.dense_reference()
+    assert_close(c.run_triton(max_query_len=40), ref, torch.float32)
+    assert_close(c.run_triton(), ref, torch.float32)  # tile shape tuned for the tree: still correct
+    assert_close(c.run_torch(), ref, torch.float32)
+
+
+def test_padded_grid_leaves_padding_untouched():
+    """Static shapes: extra token rows and empty trailing requests (as under CUDA graphs) are not written."""
+    c = Case([15, 17], [8, 8], 7, 4, 2, 64, 16, torch.float32, seed=3, pad_tokens=5, pad_reqs=2)
+    out = c.run_triton()
+    assert_close(out, c.dense_reference(), torch.float32, num_valid=16)
+    assert torch.isnan(out[16:]).all()
+
+
+def test_bit31_and_multiword():
+    """A chain of 41 nodes sets bit 31 (negative int32 words) and spans two words."""
+    chain = [list(range(-1, 40))]
+    c = Case([5], [41], 40, 2, 2, 64, 16, torch.float32, seed=5, parents=chain)
+    assert (c.bits[0, 40, 0] < 0).item()
+    assert_close(c.run_triton(), c.dense_reference(), torch.float32)
+
+
+def test_default_rows_and_hnd_layout():
+    c = Case([17, 1, 15], [8, 8, 8], 7, 8, 2, 64, 32, torch.float32, seed=9, layout="hnd")
+    assert_close(c.run_triton(use_rows=False), c.dense_reference(), torch.float32)
+
+
+@pytest.mark.parametrize("block_m,tile", [(16, 16), (64, 32), (32, 64)])
+def test_tile_shapes(block_m, tile):
+    c = Case([100, 17], [17, 17], 16, 4, 1, 64, 32, torch.float32, seed=13)
+    assert_close(c.run_triton(block_m=block_m, tile_size=tile), c.dense_reference(), torch.float32)
+
+
+def test_ancestor_mask_decoding():
+    parents = [[-1, 0, 0, 1, 3]]
+    m = ancestor_mask(encode_bits(parents, 5)[0], 5)
+    expect = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.bool
+    )
+    assert torch.equal(m, expect)
+
+
+def test_refuses_unsupported():
+    c = Case([4], [2], 1, 2, 2, 64, 16, torch.float32, seed=0)
+    out = torch.empty_like(c.q)
+    args = (c.q, c.k_cache, c.v_cache, out, c.qsl, c.seq_lens, c.block_table, c.bits, c.scale)
+    with pytest.raises(NotImplementedError):
+        tree_attention(*args, softcap=30.0)
+    with pytest.raises(NotImplementedError):
+        tree_attention(*args, sliding_window=128)
+    with pytest.raises(NotImplementedError):
+        tree_attention(c.q.half(), *args[1:])
+
+
+def _cpu_reshape_and_cache():
+    try:
+        from vllm import _custom_ops as ops
+
+        ops.cpu_attn_reshape_and_cache  # noqa: B018
+        return ops
+    except Exception:  # pragma: no cover - vLLM CPU ops unavailable
+        return None
+
+
+@pytest.mark.parametrize("isa,bs", [("vec16", 16), ("vec", 32)])
+def test_cpu_attn_layout(isa, bs):
+    """The PyTorch path reads the CPU engine's own cache (written by vLLM's CPU op) through strided views."""
+    ops = _cpu_reshape_and_cache()
+    if ops is None:
+        pytest.skip("vLLM CPU ops not importable")
+    hkv, d = 2, 64
+    c = Case([17, 40], [8, 8], 7, 4, hkv, d, bs, torch.float32, seed=17, layout="sep")
+    kv = torch.zeros(c.k_cache.shape[0], hkv, bs, 2 * d)
+    kcv, vcv = kv.view(kv.shape[0], hkv, 2 * bs, d).chunk(2, dim=2)  # exactly what cpu_attn.py passes
+    for r in range(c.R):
+        seq = c.ctx[r] + c.qlen[r]
+        t = torch.arange(seq)
+        slots = (c.block_table[r, t // bs].long() * bs + t % bs).long()
+        try:
+            ops.cpu_attn_reshape_and_cache(c.keys[r], c.values[r], kcv, vcv, slots, isa)
+        except Exception as e:  # pragma: no cover - ISA not built into this wheel
+            pytest.skip(f"cpu_attn_reshape_and_cache({isa}) failed: {e}")
+    kview, vview = cpu_attn_kv_views(kv)
+    for r in range(c.R):
+        seq = c.ctx[r] + c.qlen[r]
+        t = torch.arange(seq)
+        blk = c.block_table[r, t // bs].long()
+        assert torch.equal(kview[blk, t % bs], c.keys[r])
+        assert torch.equal(vview[blk, t % bs], c.values[r])
+    out = torch.full_like(c.q, float("nan"))
+    tree_attention_torch(c.q, kview, vview, out, c.qsl, c.seq_lens, c.block_table, c.bits, c.scale,
+                         tree_rows=c.tree_rows)
+    assert_close(out, c.dense_reference(), torch.float32)

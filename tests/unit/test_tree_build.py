@@ -1,0 +1,165 @@
+"""Device tree build (vllm_ddtree/tree/build.py) against the heap reference, node for node, in pop order."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+from vllm_ddtree.tree import build
+from vllm_ddtree.tree.build import ancestor_bits_from_parents, build_tree, build_tree_from_topk, per_depth_topk
+from vllm_ddtree.tree.layout import TreeBatch
+from vllm_ddtree.tree.reference import ancestor_sets_from_bits, brute_force_tree, heap_tree
+
+GARBAGE_ROWS = 1  # a row past the live batch, which the build must leave alone
+
+
+def poisoned_batch(rows: int, budget: int, seed: int) -> TreeBatch:
+    """A TreeBatch full of random junk, so nothing stale can pass for a right answer."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = TreeBatch.allocate(rows, budget, "cpu")
+    for t in (batch.token_ids, batch.parents, batch.depths, batch.ancestor_bits, batch.num_nodes):
+        t.copy_(torch.randint(-(2**31), 2**31 - 1, t.shape, generator=gen, dtype=torch.int64).to(t.dtype))
+    return batch
+
+
+def check_against_heap(logits: torch.Tensor, budget: int, out_budget: int | None = None, seed: int = 0) -> None:
+    """Build on the device path and compare every field of every live row with the heap reference."""
+    rows, depth, vocab = logits.shape
+    out_budget = out_budget or budget
+    out = poisoned_batch(rows + GARBAGE_ROWS, out_budget, seed)
+    untouched = [t[rows:].clone() for t in (out.token_ids, out.parents, out.depths, out.ancestor_bits)]
+    roots = torch.randint(0, vocab, (rows,))
+    build_tree(logits, budget, out, roots)
+
+    top_logp, top_ids = per_depth_topk(logits, min(budget, vocab))
+    for r in range(rows):
+        ref = heap_tree(top_logp[r].tolist(), top_ids[r].tolist(), budget)
+        n = ref.num_nodes
+        assert int(out.num_nodes[r]) == n
+        assert out.token_ids[r, 0] == roots[r]
+        assert out.token_ids[r, 1 : n + 1].tolist() == ref.tokens[1:]
+        assert out.parents[r, : n + 1].tolist() == ref.parents
+        assert out.depths[r, : n + 1].tolist() == ref.depths
+        assert ancestor_sets_from_bits(out.ancestor_bits[r, : n + 1].tolist()) == ref.ancestors
+        assert all(0 <= p < i for i, p in enumerate(ref.parents[1:], start=1))  # parent < child
+        # Padding past the tree: token 0, parent -1, depth -1, no ancestor bits.
+        assert out.token_ids[r, n + 1 :].eq(0).all()
+        assert out.parents[r, n + 1 :].eq(-1).all()
+        assert out.depths[r, n + 1 :].eq(-1).all()
+        assert out.ancestor_bits[r, n + 1 :].eq(0).all()
+        # Siblings never repeat a token (the walk relies on it).
+        pairs = list(zip(ref.parents[1:], ref.tokens[1:]))
+        assert len(set(pairs)) == len(pairs)
+    for before, t in zip(untouched, (out.token_ids, out.parents, out.depths, out.ancestor_bits)):
+        assert torch.equal(before, t[rows:])
+
+
+@pytest.mark.parametrize("budget", [1, 2, 8, 15, 32, 64, 128])
+@pytest.mark.parametrize("vocab_vs_budget", ["vocab_below_budget", "vocab_above_budget"])
+def test_build_matches_heap_random(budget: int, vocab_vs_budget: str) -> None:
+    gen = torch.Generator().manual_seed(1000 * budget + len(vocab_vs_budget))
+    vocab = max(2, budget // 3) if vocab_vs_budget == "vocab_below_budget" else 2 * budget + 37
+    for depth in (1, 5, 16):
+        logits = torch.randn(3, depth, vocab, generator=gen) * 2.5
+        check_against_heap(logits, budget, seed=budget + depth)
+
+
+@pytest.mark.parametrize("budget", [8, 32, 128])
+def test_build_matches_heap_exact_ties(budget: int) -> None:
+    """Quantised logits (many equal log-probs, equal path scores) and one-hot rows (log-prob exactly 0)."""
+    gen = torch.Generator().manual_seed(budget)
+    for vocab in (3, 7, 300):
+        quantised = torch.randint(-2, 3, (3, 16, vocab), generator=gen).float()
+        check_against_heap(quantised, budget, seed=vocab)
+        one_hot = torch.full((3, 16, vocab), -1e4)
+        one_hot[:, :, 1] = 0.0  # every depth certain: lp = 0, so whole chains tie with their parents
+        one_hot[1, ::2] = torch.randint(0, 2, (8, vocab), generator=gen).float()  # mixed exact ties
+        check_against_heap(one_hot, budget, seed=vocab + 1)
+        uniform = torch.zeros(2, 16, vocab)  # everything ties everywhere
+        check_against_heap(uniform, budget, seed=vocab + 2)
+
+
+def test_build_matches_heap_float_rounding_ties() -> None:
+    """Scores that differ before float32 rounding but coincide after it (huge and tiny log-probs mixed).
+
+    This is where a lexicographic rank-tuple tie-break would let a beam drop a prefix; ours must not.
+    """
+    gen = torch.Generator().manual_seed(7)
+    budget, depth, k, rows = 64, 8, 64, 24
+    exponents = torch.randint(-30, 26, (rows, depth, k), generator=gen).float()
+    jitter = 1 + torch.randint(0, 4, (rows, depth, k), generator=gen).float() * 2.0**-23
+    top_logp = -(2.0**exponents) * jitter
+    top_logp[:, :, 0] = torch.where(torch.rand(rows, depth, generator=gen) < 0.3, 0.0, top_logp[:, :, 0])
+    top_logp = torch.sort(top_logp, dim=-1, descending=True).values
+    top_ids = torch.stack([torch.randperm(1000, generator=gen)[:k] for _ in range(rows * depth)]).view(rows, depth, k)
+    out = poisoned_batch(rows, budget, 3)
+    build_tree_from_topk(top_logp, top_ids, budget, out, torch.zeros(rows, dtype=torch.int64))
+    for r in range(rows):
+        ref = heap_tree(top_logp[r].tolist(), top_ids[r].tolist(), budget)
+        assert out.token_ids[r, 1:].tolist() == ref.tokens[1:]
+        assert out.parents[r].tolist() == ref.parents
+
+
+def test_budget_below_buffer_and_tiny_trees_pad() -> None:
+    """Budget smaller than the TreeBatch, and trees smaller than the budget (V^1 + ... + V^L < B)."""
+    gen = torch.Generator().manual_seed(5)
+    check_against_heap(torch.randn(2, 4, 50, generator=gen), budget=20, out_budget=64)
+    check_against_heap(torch.randn(2, 3, 2, generator=gen), budget=32, out_budget=40)  # 2 + 4 + 8 = 14 nodes
+    check_against_heap(torch.randn(2, 16, 1, generator=gen), budget=32)  # a single chain of 16
+
+
+def test_low_precision_logits_and_determinism() -> None:
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(4, 15, 500, generator=gen) * 3).to(torch.bfloat16)
+    check_against_heap(logits, 64)
+    first, second = poisoned_batch(4, 64, 1), poisoned_batch(4, 64, 2)
+    build_tree(logits, 64, first, torch.zeros(4, dtype=torch.int64))
+    build_tree(logits, 64, second, torch.zeros(4, dtype=torch.int64))
+    for a, b in zip((first.token_ids, first.parents, first.ancestor_bits), (second.token_ids, second.parents,
+                                                                           second.ancestor_bits)):
+        assert torch.equal(a, b)
+
+
+def test_per_depth_topk() -> None:
+    """Top-k values are the true log-probs, best first, equal values ordered by token id, nothing better left out."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(-3, 3, (2, 5, 40), generator=gen).float()
+    values, ids = per_depth_topk(logits, 16)
+    logp = torch.log_softmax(logits, dim=-1)
+    assert torch.equal(values, torch.gather(logp, -1, ids))
+    assert (values[..., :-1] >= values[..., 1:]).all()
+    tie = values[..., :-1] == values[..., 1:]
+    assert (ids[..., :-1] < ids[..., 1:])[tie].all()
+    left_out = logp.scatter(-1, ids, float("-inf"))
+    assert (left_out.amax(-1) <= values[..., -1]).all()
+
+
+def test_heap_reference_equals_brute_force() -> None:
+    """The reference heap pops exactly the best B prefixes of the total order (checked by enumeration)."""
+    gen = torch.Generator().manual_seed(2)
+    for budget, depth, k in [(1, 2, 2), (5, 3, 3), (13, 3, 4), (20, 4, 3), (40, 4, 3), (30, 5, 2)]:
+        for _ in range(15):
+            top_logp = (torch.randint(-4, 1, (depth, k), generator=gen) / 2).sort(descending=True).values
+            ids = torch.randint(0, 100, (depth, k), generator=gen).tolist()
+            assert heap_tree(top_logp.tolist(), ids, budget) == brute_force_tree(top_logp.tolist(), ids, budget)
+
+
+def test_ancestor_bits_word_boundaries() -> None:
+    """A 129-node chain crosses bit 31 (the int32 sign bit) and several words."""
+    nodes = 129
+    parents = torch.arange(-1, nodes - 1, dtype=torch.int32)[None]
+    bits = ancestor_bits_from_parents(parents, max_depth=nodes - 1)
+    sets = ancestor_sets_from_bits(bits[0].tolist())
+    assert sets == [frozenset(range(i + 1)) for i in range(nodes)]
+
+
+@pytest.mark.parametrize("module", [build])
+def test_no_host_sync_in_device_code(module) -> None:
+    """Static guard: the decode-path module never syncs or makes data-dependent shapes."""
+    source = inspect.getsource(module)
+    for forbidden in (r"\.item\(", r"\.tolist\(", r"\.cpu\(", r"\.numpy\(", r"nonzero", r"masked_select",
+                      r"torch\.unique", r"bool\(", r"\.any\(\)", r"\.all\(\)"):
+        assert not re.search(forbidden, source), forbidden

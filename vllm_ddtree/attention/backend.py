@@ -1,0 +1,99 @@
+"""vLLM attention backends that mask a verify step's tree rows: the target sees each node's ancestors only.
+
+``install()`` (called when a ddtree drafter is built, before the target model) points vLLM's CPU_ATTN and
+TRITON_ATTN registry entries at the subclasses below. Outside a verify step (prefill, plain decode, the drafter's
+own forward) they are exactly vLLM's backends; during one, the rows of requests that verify a tree are recomputed
+with the ancestor mask after vLLM wrote the step's K/V to the cache at linear slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+from vllm_ddtree import verify_step
+from vllm_ddtree.attention.torch_tree import cpu_attn_kv_views, tree_attention_torch
+
+
+def install() -> None:
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.TreeCPUAttentionBackend")
+    register_backend(AttentionBackendEnum.TRITON_ATTN, f"{__name__}.TreeTritonAttentionBackend")
+
+
+def _check_supported(impl) -> None:
+    if impl.sliding_window not in (None, -1, (-1, -1)) or impl.logits_soft_cap or impl.sinks is not None:
+        raise NotImplementedError("ddtree tree attention: sliding window, softcap and sinks are not supported")
+
+
+class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, then the tree rows again with the ancestor mask (plain PyTorch)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        step = verify_step.current()
+        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+            return output
+        _check_supported(self)
+        key_cache, value_cache = cpu_attn_kv_views(kv_cache)
+        q = query.view(query.shape[0], self.num_heads, self.head_size)
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        for r in step.tree_requests:
+            row0, q_len = int(step.root_rows_cpu[r]), int(step.num_nodes_cpu[r]) + 1
+            tree_attention_torch(
+                q[row0 : row0 + q_len],
+                key_cache,
+                value_cache,
+                out[row0 : row0 + q_len],
+                torch.tensor([0, q_len]),
+                attn_metadata.seq_lens[r : r + 1],
+                attn_metadata.block_table[r : r + 1],
+                step.trees.ancestor_bits[r : r + 1],
+                self.scale,
+            )
+        return output
+
+
+class TreeCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return TreeCPUAttentionImpl
+
+
+class TreeTritonAttentionImpl(TritonAttentionImpl):
+    """vLLM's Triton attention, then the tree requests again with our tree-masked Triton kernel."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        step = verify_step.current()
+        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+            return output
+        from vllm_ddtree.attention.triton_tree import tree_attention
+
+        _check_supported(self)
+        kv = kv_cache.transpose(1, 2)
+        key_cache, value_cache = kv.split(self.head_size, dim=-1)
+        n = attn_metadata.num_actual_tokens
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        tree_attention(
+            query[:n].view(n, self.num_heads, self.head_size),
+            key_cache,
+            value_cache,
+            out,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_table,
+            step.trees.ancestor_bits,
+            self.scale,
+            tree_rows=step.tree_rows_device,
+            max_query_len=attn_metadata.max_query_len,
+        )
+        return output
+
+
+class TreeTritonAttentionBackend(TritonAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return TreeTritonAttentionImpl

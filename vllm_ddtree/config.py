@@ -1,0 +1,121 @@
+"""DDTree settings in vLLM's ``--speculative-config``: parse, default, validate, explain refusals.
+
+Users write ``{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tokens": B, "tree_depth": D}``:
+
+- ``num_speculative_tokens``: the node budget B, i.e. the speculative tokens the target verifies per step (the tree's
+  non-root nodes). Defaults to ``DEFAULT_TREE_BUDGET``.
+- ``tree_depth``: the deepest node, i.e. how many DFlash draft positions feed the tree. Defaults to the drafter's
+  ``block_size - 1`` (all positions one DFlash pass produces).
+
+The patched ``SpeculativeConfig`` (patches/vllm-0.26.0/0001) calls ``prepare_ddtree_method`` first thing in
+``__post_init__``: it checks what needs no drafter, records the budget in ``tree_budget`` and turns the method into
+``"dflash"``, so vLLM loads and runs the drafter exactly as it does for the DFlash chain and only the verify/accept
+path differs. ``validate_ddtree_drafter`` runs at the end of validation, once the drafter's config is loaded: it
+fixes ``tree_depth`` and sets ``num_speculative_tokens = max(budget, depth)``, because vLLM sizes every per-step
+reservation by it (scheduler lookahead slots, the drafter's query of ``1 + depth`` tokens, the drafter-fits check),
+while the scheduler schedules only the drafts we return, i.e. the ``budget`` tree nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_TREE_BUDGET = 64
+# vLLM's scheduler, runner buffers and the output contract are sized by num_speculative_tokens; 128 is vLLM's own
+# MAX_SPEC_LEN (v1/sample/rejection_sampler.py), which bounds what the rest of the V1 path has been exercised with.
+MAX_TREE_BUDGET = 128
+# DFlash drafters predict at most block_size - 1 positions; z-lab's largest block is 16.
+MAX_TREE_DEPTH = 32
+
+# Settings of SpeculativeConfig that change the chain's sampling or batching in ways the tree does not implement,
+# with the value DDTree needs and what the user should do instead.
+_UNSUPPORTED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
+    ("rejection_sample_method", "standard",
+     "DDTree verifies with its own tree walk; drop rejection_sample_method (synthetic/block apply to chains only)"),
+    ("draft_sample_method", "greedy",
+     "DDTree builds the tree from the drafter's top-k; drop draft_sample_method"),
+    ("disable_padded_drafter_batch", False, "drop disable_padded_drafter_batch"),
+    ("num_speculative_tokens_per_batch_size", None,
+     "dynamic speculation lengths are not supported with ddtree; drop num_speculative_tokens_per_batch_size"),
+    ("use_heterogeneous_vocab", False, "DDTree needs the drafter to share the target's vocabulary"),
+)
+
+
+class DDTreeConfigError(ValueError):
+    """A refused ddtree configuration; the message names the fix."""
+
+
+def prepare_ddtree_method(spec: Any) -> None:
+    """Validate drafter-independent ddtree settings and run the drafter as DFlash (see module docstring)."""
+    if spec.tree_budget is not None:
+        raise DDTreeConfigError('tree_budget is set by method "ddtree"; give the budget as num_speculative_tokens')
+    if spec.model is None:
+        raise DDTreeConfigError(
+            'method "ddtree" needs a DFlash drafter: add "model": "<path or name of a DFlash checkpoint>" to '
+            "--speculative-config"
+        )
+    if spec.num_speculative_tokens is None:
+        spec.num_speculative_tokens = DEFAULT_TREE_BUDGET
+    budget = spec.num_speculative_tokens
+    if not isinstance(budget, int) or not 1 <= budget <= MAX_TREE_BUDGET:
+        raise DDTreeConfigError(
+            f"ddtree num_speculative_tokens (the tree's node budget) must be an integer in [1, {MAX_TREE_BUDGET}], "
+            f"got {budget!r}"
+        )
+    depth = spec.tree_depth
+    if depth is not None and not 1 <= depth <= MAX_TREE_DEPTH:
+        raise DDTreeConfigError(f"ddtree tree_depth must be in [1, {MAX_TREE_DEPTH}], got {depth}")
+    _refuse_non_dflash_drafter(spec.model, spec.revision)
+    for name, required, fix in _UNSUPPORTED_SETTINGS:
+        if getattr(spec, name) != required:
+            raise DDTreeConfigError(f"ddtree does not support {name}={getattr(spec, name)!r}: {fix}")
+    spec.method = "dflash"
+    spec.tree_budget = budget
+
+
+def _refuse_non_dflash_drafter(model: str, revision: str | None) -> None:
+    """Read the drafter's config.json before vLLM wraps it as a DFlash drafter (and fails on it obscurely)."""
+    from transformers import PretrainedConfig
+
+    try:
+        config, _ = PretrainedConfig.get_config_dict(model, revision=revision)
+    except Exception:  # unreadable here (e.g. a hub name not cached): vLLM reports it when it loads the drafter
+        return
+    archs = config.get("architectures") or []
+    if not (any("DFlash" in a for a in archs) or "dflash_config" in config):
+        raise DDTreeConfigError(
+            f"ddtree needs a DFlash drafter (architecture DFlashDraftModel with a dflash_config); "
+            f"{model} has architectures {archs or 'none'}"
+        )
+
+
+def validate_ddtree_drafter(spec: Any) -> None:
+    """Check the loaded drafter is DFlash, fix ``tree_depth`` from its block size, size vLLM's reservations."""
+    if spec.tree_budget is None:
+        raise DDTreeConfigError('tree_depth is a ddtree setting: add "method": "ddtree" or drop tree_depth')
+    hf_config = spec.draft_model_config.hf_config
+    archs = list(getattr(spec.draft_model_config, "architectures", None) or [])
+    archs += list(getattr(hf_config, "architectures", None) or [])
+    if not any("DFlash" in a for a in archs):
+        raise DDTreeConfigError(
+            f"ddtree needs a DFlash drafter (architecture DFlashDraftModel); {spec.model} has {archs or 'none'}"
+        )
+    block_size = drafter_block_size(hf_config)
+    max_depth = block_size - 1
+    if spec.tree_depth is None:
+        spec.tree_depth = max_depth
+    elif spec.tree_depth > max_depth:
+        raise DDTreeConfigError(
+            f"ddtree tree_depth={spec.tree_depth} exceeds what one pass of this drafter predicts "
+            f"(block_size {block_size} - 1 = {max_depth}); use tree_depth <= {max_depth}"
+        )
+    spec.num_speculative_tokens = max(spec.tree_budget, spec.tree_depth)
+
+
+def drafter_block_size(hf_config: Any) -> int:
+    """The DFlash block size: top-level ``block_size`` or ``dflash_config.block_size`` (both exist in the wild)."""
+    for source in (hf_config, getattr(hf_config, "dflash_config", None) or {}):
+        value = source.get("block_size") if isinstance(source, dict) else getattr(source, "block_size", None)
+        if value:
+            return int(value)
+    raise DDTreeConfigError("the DFlash drafter's config has no block_size; add it to its config.json")

@@ -1,0 +1,60 @@
+"""Find the target model's attention KV caches inside a vLLM runner and compact them after a tree walk.
+
+vLLM keeps one cache tensor per attention layer (``static_forward_context[name].kv_cache``), laid out by the
+layer's backend. This maps each to views ``[num_blocks, block_size, H, E]`` (kv_compact.py's contract)
+and picks the compaction path: the Triton kernel (one launch for all layers) on GPU, the PyTorch one on CPU. The
+drafter's own layers are left alone: DFlash rewrites its context K/V from the (linearised) target hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.attention.backend import TreeCPUAttentionImpl, TreeTritonAttentionImpl
+from vllm_ddtree.attention.torch_tree import cpu_attn_kv_views
+from vllm_ddtree.kv_compact import KVCompactor, kv_compact_torch
+
+
+class TargetKVCompaction:
+    def __init__(self, runner):
+        forward_context = runner.compilation_config.static_forward_context
+        draft_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+        groups = runner.kv_cache_config.kv_cache_groups
+        target_groups = [
+            gid for gid, g in enumerate(groups) if any(name not in draft_layers for name in g.layer_names)
+        ]
+        if len(target_groups) != 1:
+            raise NotImplementedError(
+                f"ddtree supports targets whose attention layers share one KV cache group; this one has "
+                f"{len(target_groups)} (sliding-window or hybrid targets are not supported yet)"
+            )
+        self.group = target_groups[0]
+        views: list[torch.Tensor] = []
+        kinds = set()
+        for name in groups[self.group].layer_names:
+            if name in draft_layers:
+                continue
+            layer = forward_context[name]
+            impl = layer.impl
+            if isinstance(impl, TreeCPUAttentionImpl):
+                views.extend(cpu_attn_kv_views(layer.kv_cache))
+                kinds.add("cpu")
+            elif isinstance(impl, TreeTritonAttentionImpl):
+                views.append(layer.kv_cache.transpose(1, 2))  # K and V packed in the last dim: one row moves both
+                kinds.add("triton")
+            else:
+                raise NotImplementedError(
+                    f"ddtree needs the target on its tree attention backends; layer {name} uses "
+                    f"{type(impl).__name__} (on GPU pass --attention-backend TRITON_ATTN)"
+                )
+        self.views = views
+        self.runner = runner
+        self.kernel = KVCompactor(views) if kinds == {"triton"} else None
+
+    def __call__(self, ctx_lens: torch.Tensor, accepted: torch.Tensor) -> None:
+        num_reqs = accepted.shape[0]
+        block_table = self.runner.input_batch.block_table[self.group].get_device_tensor(num_reqs)
+        if self.kernel is not None:
+            self.kernel(block_table, ctx_lens, accepted)
+        else:
+            kv_compact_torch(self.views, block_table, ctx_lens, accepted)

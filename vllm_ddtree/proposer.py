@@ -1,0 +1,110 @@
+"""DDTreeProposer: vLLM's DFlash drafter, keeping the per-depth logits and turning them into a best-first tree.
+
+vLLM's runner drives it exactly like ``DFlashProposer`` (patch 0002 builds it instead when ``tree_budget`` is set).
+Three differences:
+
+1. The drafter always drafts ``tree_depth`` positions; the runner's ``num_speculative_tokens`` is
+   ``max(budget, depth)`` (config.py) and only sizes vLLM's reservations.
+2. Before drafting, the verify step's accepted path is made a straight chain in the target inputs the drafter reads
+   (rows ``root, a1..am`` moved to the front of each request's block), so DFlash's input kernel, which takes the
+   first ``1 + m`` rows as context, works unchanged.
+3. The draft logits ``[R, depth, V]`` go through ``tree.build`` into a TreeBatch; the runner gets the tree's B
+   tokens per request (what the scheduler schedules), the structure stays here, keyed by request id.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.attention import backend as tree_backends
+from vllm_ddtree.tree.build import build_tree
+from vllm_ddtree.tree.layout import TreeBatch
+from vllm_ddtree.verifier import TreeRejectionSampler, TreeVerifier
+
+
+class DDTreeProposer(DFlashProposer):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        spec = vllm_config.speculative_config
+        self.runner = runner
+        self.tree_budget: int = spec.tree_budget
+        self.tree_depth: int = spec.tree_depth
+        max_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.draft_trees = TreeBatch.allocate(max_reqs, self.tree_budget, device)
+        self._draft_rows: dict[str, int] = {}  # request id -> its row in draft_trees
+        self.verifier = TreeVerifier(runner, self.tree_budget, self.tree_depth, max_reqs, device)
+        self._placeholder_drafts = torch.zeros(max_reqs * self.tree_depth, dtype=torch.int64, device=device)
+        # Before the target model is built: its attention layers then pick the tree-aware backend subclasses.
+        tree_backends.install()
+
+    def make_tree_sampler(self, sampler) -> TreeRejectionSampler:
+        fallback = RejectionSampler(sampler, self.speculative_config, self.device)
+        return TreeRejectionSampler(self.verifier, fallback)
+
+    def prepare_tree_verify(self, spec_decode_metadata, num_draft_tokens: np.ndarray, cu_num_tokens: np.ndarray):
+        """Runner hook, right after the slot mapping of a step with drafts (see verifier.TreeVerifier.prepare)."""
+        req_ids = self.runner.input_batch.req_ids[: len(num_draft_tokens)]
+        draft_rows = np.array([self._draft_rows.get(rid, -1) for rid in req_ids], dtype=np.int64)
+        self.verifier.prepare(spec_decode_metadata, num_draft_tokens, cu_num_tokens, self.draft_trees, draft_rows)
+
+    def propose(
+        self,
+        num_speculative_tokens,
+        target_token_ids,
+        target_positions,
+        target_hidden_states,
+        next_token_ids,
+        token_indices_to_sample,
+        common_attn_metadata,
+        sampling_metadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu=None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        step = self.verifier.last_step
+        self.verifier.last_step = None
+        if step is not None and num_rejected_tokens_gpu is not None:
+            order = self._chain_order(step, target_token_ids.shape[0])
+            target_token_ids = target_token_ids[order]
+            target_positions = target_positions[..., order]
+            target_hidden_states = target_hidden_states[order]
+        num_reqs = common_attn_metadata.batch_size()
+        self._root_token_ids = next_token_ids
+        super().propose(
+            self.tree_depth,
+            target_token_ids,
+            target_positions,
+            target_hidden_states,
+            next_token_ids,
+            token_indices_to_sample,
+            common_attn_metadata,
+            sampling_metadata,
+            mm_embed_inputs,
+            num_rejected_tokens_gpu,
+            slot_mappings,
+        )
+        self._draft_rows = {rid: i for i, rid in enumerate(self.runner.input_batch.req_ids[:num_reqs])}
+        return self.draft_trees.token_ids[:num_reqs, 1:]
+
+    def _chain_order(self, step, num_tokens: int) -> torch.Tensor:
+        """Row permutation putting each request's accepted path right after its root (rows root+k <- root+acc[k])."""
+        acc = self.verifier.walk.accepted_node_ids[: step.num_reqs].to(torch.int64)  # [R, L+1], -1 padded
+        root = torch.from_numpy(step.root_rows_cpu).to(self.device, non_blocking=True)[:, None]
+        k = torch.arange(acc.shape[1], device=self.device)[None, :]
+        dest = torch.where(acc >= 0, root + k, num_tokens)  # invalid entries land in a spill slot
+        order = torch.arange(num_tokens + 1, device=self.device)
+        order.scatter_(0, dest.view(-1), torch.where(acc >= 0, root + acc, num_tokens).view(-1))
+        return order[:num_tokens]
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        """Parallel drafting's sampling step: build the trees from the logits instead of taking the argmax."""
+        logits = self.model.compute_logits(hidden_states)
+        num_reqs = logits.shape[0] // self.tree_depth
+        build_tree(
+            logits.view(num_reqs, self.tree_depth, -1), self.tree_budget, self.draft_trees, self._root_token_ids
+        )
+        return self._placeholder_drafts[: num_reqs * self.tree_depth], None

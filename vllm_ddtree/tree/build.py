@@ -1,0 +1,213 @@
+"""Device-side DDTree tree build: the authors' best-first heap (algorithm.md §2.2) as static-shape tensor ops.
+
+The heap pops the B best prefixes under a total order; this module computes the same B prefixes, in the same
+order, with one width-B beam step per depth (<= L static iterations) and one final merge, so the whole build is
+a fixed sequence of gathers and sorts that a CUDA graph can capture. ``tree/reference.py`` holds the heap it
+must equal.
+
+Scores. Per depth d, ``lp[d, r]`` is the r-th best float32 log-probability (``per_depth_topk``); a prefix with
+ranks (r_1..r_d) has ``score = fl32(...fl32(fl32(lp[1, r_1]) + lp[2, r_2]) ... + lp[d, r_d])``, i.e. the parent's
+score plus one term, rounded to float32. (The authors accumulate in Python floats and derive a sibling's score
+as ``logw - lp[r] + lp[r+1]``; that is the same number up to rounding, but makes a score depend on the push
+path. Ours is a function of the prefix alone, which is what lets a parallel build match bit for bit.)
+
+Total order (the tie-break). Prefixes are ranked by ``key(u) = (-score(u), depth(u), key(parent(u)), rank(u))``
+compared lexicographically (key(root) = ()). So: higher score first; on an exact score tie, shallower first; at
+equal depth, the child of the earlier parent first; among siblings, the lower top-k rank first. Token ties
+inside one depth's top-k are ordered by token id (``per_depth_topk``). The authors break ties on the rank tuple
+alone; ours differs only on exact float ties and is chosen because it survives float rounding (see below).
+
+Why a width-B beam is exact. Let T_d be the B smallest keys among depth-d prefixes. If u = p+r is in T_d then p
+is in T_{d-1}: otherwise B depth-(d-1) prefixes p' precede p, each has score >= score(p), and each child p'+0
+has score fl(s(p') + lp[0]) >= fl(s(p) + lp[r]) = score(u) (rounding is monotone); on equality the tie-break
+compares the parents, and p' precedes p. So B prefixes precede u, a contradiction. Hence T_d = the best B of
+(T_{d-1} x ranks), and the global best B (what the heap pops: every prefix's heap "generator", its parent or
+its previous sibling, precedes it in the order) is the best B of the union of T_1..T_L. Candidate (p, r) (parent
+at beam position p) is preceded by every (p', r') with p' <= p, r' <= r, so only pairs with (p+1)(r+1) <= B can
+make the beam: about B ln B candidates per depth, a static set. Beam sizes min(B, K^d) and the node count
+min(B, sum_d min(B, K^d)) are static too, so no shape depends on data.
+
+Stable sorts give the order for free: candidates are laid out in (parent position, rank) order and the final
+merge in (depth, beam position) order, and a stable descending sort on score keeps that order among ties.
+
+Output (TreeBatch, see layout.py): nodes 1..N in pop order, N = min(B, sum_d min(B, K^d)) for every row; columns
+N+1..out.budget are padding (token 0, parent -1, depth -1, ancestor bits all zero). Rows beyond the live batch
+are not touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.tree.layout import BITS_PER_WORD, TreeBatch, num_ancestor_words
+
+
+def per_depth_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k float32 log-probs per depth, best first, equal values ordered by token id (deterministic ranks).
+
+    draft_logits [R, L, V] (any float dtype) -> (top_logp [R, L, k] float32, top_ids [R, L, k] int64).
+    Which of several tokens tied at the k-th value gets in is torch.topk's choice; the order inside the k is ours.
+    """
+    logp = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)
+    values, ids = torch.topk(logp, k, dim=-1, sorted=True)
+    values = values + 0.0  # -0.0 -> +0.0, so radix sorts on the device see one zero
+    ids, by_id = torch.sort(ids, dim=-1)
+    values = torch.gather(values, -1, by_id)
+    values, by_value = torch.sort(values, dim=-1, descending=True, stable=True)
+    ids = torch.gather(ids, -1, by_value)
+    return values, ids
+
+
+@dataclass(frozen=True)
+class _BuildPlan:
+    """Static index tensors for one (budget, top-k, depth, device): built once, then reused (graph-safe)."""
+
+    beam_sizes: tuple[int, ...]  # n_d = min(B, K^d), d = 1..L
+    cand_parent_pos: tuple[torch.Tensor, ...]  # per depth d >= 2: [M_d] parent beam position of each candidate
+    cand_rank: tuple[torch.Tensor, ...]  # per depth d >= 2: [M_d] top-k rank of each candidate
+    member_offsets: tuple[int, ...]  # first member index of depth d in the merged list (root is member 0)
+    member_depths: torch.Tensor  # [sum n_d] int32 depth of each merged member
+    num_nodes: int  # N = min(B, sum n_d)
+    first_child_parent: torch.Tensor  # [n_1] zeros: depth-1 members hang off the root (member 0)
+
+
+_PLANS: dict[tuple, _BuildPlan] = {}
+_SELF_BITS: dict[tuple, torch.Tensor] = {}
+
+
+def _build_plan(budget: int, k: int, depth: int, device: torch.device) -> _BuildPlan:
+    key = (budget, k, depth, str(device))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    beam_sizes = [min(budget, k)]
+    parent_pos, ranks = [], []
+    for _ in range(2, depth + 1):
+        prev = beam_sizes[-1]
+        pairs = [(p, r) for p in range(prev) for r in range(min(k, budget // (p + 1)))]
+        parent_pos.append(torch.tensor([p for p, _ in pairs], dtype=torch.int64, device=device))
+        ranks.append(torch.tensor([r for _, r in pairs], dtype=torch.int64, device=device))
+        beam_sizes.append(min(budget, prev * k, len(pairs)))
+    offsets, total = [], 1
+    for n in beam_sizes:
+        offsets.append(total)
+        total += n
+    member_depths = torch.cat([torch.full((n,), d + 1, dtype=torch.int32) for d, n in enumerate(beam_sizes)])
+    plan = _BuildPlan(
+        beam_sizes=tuple(beam_sizes),
+        cand_parent_pos=tuple(parent_pos),
+        cand_rank=tuple(ranks),
+        member_offsets=tuple(offsets),
+        member_depths=member_depths.to(device),
+        num_nodes=min(budget, total - 1),
+        first_child_parent=torch.zeros(beam_sizes[0], dtype=torch.int64, device=device),
+    )
+    _PLANS[key] = plan
+    return plan
+
+
+def self_bits_table(num_nodes_with_root: int, device: torch.device | str) -> torch.Tensor:
+    """[N+1, W] int32: row i has only node i's own bit (bit 31 stored as a negative int32). Cached."""
+    key = (num_nodes_with_root, str(device))
+    table = _SELF_BITS.get(key)
+    if table is None:
+        words = num_ancestor_words(num_nodes_with_root)
+        rows = []
+        for i in range(num_nodes_with_root):
+            row = [0] * words
+            bit = 1 << (i % BITS_PER_WORD)
+            row[i // BITS_PER_WORD] = bit - (1 << 32) if bit >= 1 << 31 else bit
+            rows.append(row)
+        table = torch.tensor(rows, dtype=torch.int32, device=device)
+        _SELF_BITS[key] = table
+    return table
+
+
+def ancestor_bits_from_parents(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Ancestor-or-self bit words [R, N+1, W] from parents [R, N+1] (parent < child, -1 = root/padding).
+
+    Pointer doubling: after j rounds a node holds the bits of itself and its 2^j - 1 nearest ancestors, so
+    ceil(log2(max_depth + 1)) rounds cover any path (<= 5 for depth 16). Padding rows (parent -1, index > 0)
+    come out as the root's bits plus their own; callers zero them.
+    """
+    rows, width = parents.shape
+    table = self_bits_table(width, parents.device)
+    bits = table.unsqueeze(0).expand(rows, -1, -1).clone()
+    jump = parents.to(torch.int64).clamp(min=0)  # the root (and padding) jump to the root, a fixed point
+    for _ in range(max(1, math.ceil(math.log2(max_depth + 1)))):
+        bits = bits | torch.gather(bits, 1, jump.unsqueeze(-1).expand(-1, -1, bits.shape[-1]))
+        jump = torch.gather(jump, 1, jump)
+    return bits
+
+
+def build_tree(
+    draft_logits: torch.Tensor, budget: int, out: TreeBatch, root_token_ids: torch.Tensor
+) -> None:
+    """Fill ``out[:R]`` with the DDTree of each row of draft logits [R, L, V] under a budget of B nodes.
+
+    B <= out.budget, L <= 16 (any L works; cost is linear in L). root_token_ids [R] becomes node 0's token.
+    No host synchronisation; after the first call for a given (B, K, L, device) everything is graph-capturable.
+    """
+    k = min(budget, draft_logits.shape[-1])
+    top_logp, top_ids = per_depth_topk(draft_logits, k)
+    build_tree_from_topk(top_logp, top_ids, budget, out, root_token_ids)
+
+
+def build_tree_from_topk(
+    top_logp: torch.Tensor,
+    top_ids: torch.Tensor,
+    budget: int,
+    out: TreeBatch,
+    root_token_ids: torch.Tensor,
+) -> None:
+    """``build_tree`` from per-depth top-k [R, L, K] (float32 log-probs sorted descending, token ids)."""
+    rows, depth, k = top_logp.shape
+    if not 1 <= budget <= out.budget:
+        raise ValueError(f"budget {budget} must be in 1..{out.budget} (the TreeBatch's budget)")
+    if rows > out.token_ids.shape[0]:
+        raise ValueError(f"{rows} rows do not fit a TreeBatch of {out.token_ids.shape[0]}")
+    plan = _build_plan(budget, k, depth, top_logp.device)
+
+    # Per-depth beams: scores, the parent's member index (root = 0), token ids. Sorted by the total order.
+    n1 = plan.beam_sizes[0]
+    beam_scores = top_logp[:, 0, :n1]
+    scores = [beam_scores]
+    parent_members = [plan.first_child_parent.expand(rows, -1)]
+    tokens = [top_ids[:, 0, :n1]]
+    for d in range(1, depth):
+        cand_parent_pos, cand_rank = plan.cand_parent_pos[d - 1], plan.cand_rank[d - 1]
+        cand_scores = beam_scores[:, cand_parent_pos] + top_logp[:, d, cand_rank]
+        cand_scores, order = torch.sort(cand_scores, dim=-1, descending=True, stable=True)
+        order = order[:, : plan.beam_sizes[d]]
+        beam_scores = cand_scores[:, : plan.beam_sizes[d]]
+        scores.append(beam_scores)
+        parent_members.append(cand_parent_pos[order] + plan.member_offsets[d - 1])
+        tokens.append(torch.gather(top_ids[:, d], 1, cand_rank[order]))
+
+    # Merge: stable sort of (depth, beam position)-ordered members by score = pop order.
+    num_nodes = plan.num_nodes
+    _, merged_order = torch.sort(torch.cat(scores, dim=1), dim=1, descending=True, stable=True)
+    selected = merged_order[:, :num_nodes]  # 0-based member index (member index - 1)
+    node_ids = torch.arange(1, num_nodes + 1, device=top_logp.device).expand(rows, -1)
+    num_members = plan.member_depths.numel()
+    node_of_member = torch.zeros(rows, 1 + num_members, dtype=torch.int64, device=top_logp.device)
+    node_of_member.scatter_(1, selected + 1, node_ids)
+    parent_member = torch.gather(torch.cat(parent_members, dim=1), 1, selected)
+    parents = torch.gather(node_of_member, 1, parent_member)
+
+    out.token_ids[:rows, 0] = root_token_ids
+    out.token_ids[:rows, 1 : num_nodes + 1] = torch.gather(torch.cat(tokens, dim=1), 1, selected)
+    out.token_ids[:rows, num_nodes + 1 :] = 0
+    out.parents[:rows, 0] = -1
+    out.parents[:rows, 1 : num_nodes + 1] = parents
+    out.parents[:rows, num_nodes + 1 :] = -1
+    out.depths[:rows, 0] = 0
+    out.depths[:rows, 1 : num_nodes + 1] = plan.member_depths[selected]
+    out.depths[:rows, num_nodes + 1 :] = -1
+    out.num_nodes[:rows] = num_nodes
+    bits = ancestor_bits_from_parents(out.parents[:rows], min(depth, num_nodes))
+    bits[:, num_nodes + 1 :] = 0
+    out.ancestor_bits[:rows] = bits

@@ -1,0 +1,182 @@
+"""The target side of a DDTree step: lay the trees out for the verify forward, walk them, compact the KV cache.
+
+``prepare`` runs inside vLLM's ``_prepare_inputs`` right after the slot mapping (runner hook, patch 0002): it
+gathers each request's tree (built by the drafter one step earlier, under another batch order) into this step's
+rows and rewrites the tree rows' positions to ``root position + depth``. Slots stay linear (node i of a request
+lives at logical index s + i), which is why positions must change only after the slot mapping.
+
+``TreeRejectionSampler`` takes the place of vLLM's ``RejectionSampler``: one target token per node (argmax or a
+draw with the request's sampling parameters), the walk, then, before anything else reads the cache, the accepted
+nodes' K/V move to the path slots s+1..s+m so the next step sees a plain chain.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.v1.outputs import SamplerOutput
+
+from vllm_ddtree import verify_step
+from vllm_ddtree.sampler import TreeWalkOutput, sample_node_tokens, walk_tree
+from vllm_ddtree.tree.layout import TreeBatch
+
+if TYPE_CHECKING:
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+
+class TreeVerifier:
+    """Per-worker verify state; ``runner`` is vLLM's GPUModelRunner (or its CPU subclass)."""
+
+    def __init__(self, runner, budget: int, depth: int, max_reqs: int, device: torch.device):
+        self.runner = runner
+        self.budget = budget
+        self.depth = depth
+        self.device = device
+        self.trees = TreeBatch.allocate(max_reqs, budget, device)
+        self.walk = TreeWalkOutput.allocate(max_reqs, depth, device)
+        self.node_tokens = torch.zeros(max_reqs, budget + 1, dtype=torch.int64, device=device)
+        self._compact = None  # built on first use: the KV caches exist only after vLLM allocated them
+        self.last_step: verify_step.VerifyStep | None = None  # the walked step, for the drafter's linearisation
+
+    # ------------------------------------------------------------------ before the target forward
+
+    def prepare(
+        self,
+        spec_decode_metadata: "SpecDecodeMetadata",
+        num_draft_tokens: np.ndarray,
+        cu_num_tokens: np.ndarray,
+        draft_trees: TreeBatch,
+        draft_rows: np.ndarray,
+    ) -> None:
+        """Gather this step's trees (``draft_rows[r]``: row of request r's tree in ``draft_trees``) and write the
+        tree rows' depth positions in place; publish the step for the attention backend and the sampler."""
+        num_reqs = len(num_draft_tokens)
+        index = torch.from_numpy(np.maximum(draft_rows, 0)).to(self.device, non_blocking=True)
+        for name in ("token_ids", "parents", "depths", "ancestor_bits"):
+            torch.index_select(getattr(draft_trees, name), 0, index, out=getattr(self.trees, name)[:num_reqs])
+        num_nodes = torch.from_numpy(num_draft_tokens.astype(np.int32))
+        self.trees.num_nodes[:num_reqs].copy_(num_nodes, non_blocking=True)
+
+        # Logits rows are each request's last 1 + drafts tokens: the root, then its nodes in tree order.
+        num_rows = num_draft_tokens + 1
+        row_request_np = np.repeat(np.arange(num_reqs), num_rows)
+        row_node_np = np.arange(row_request_np.size) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+        row_request = torch.from_numpy(row_request_np).to(self.device, non_blocking=True)
+        row_node = torch.from_numpy(row_node_np).to(self.device, non_blocking=True)
+        depth = self.trees.depths[row_request, row_node].to(torch.int64)
+        shift = depth - row_node  # node i sits at row s + i but its position is s + depth(i)
+        rows = spec_decode_metadata.logits_indices
+        runner = self.runner
+        runner.positions[rows] += shift
+        if getattr(runner, "uses_mrope", False):
+            runner.mrope_positions.gpu[:, rows] += shift
+
+        root_rows = cu_num_tokens - num_rows
+        tree_rows = np.where(num_draft_tokens > 0, np.arange(num_reqs), -1).astype(np.int32)
+        step = verify_step.VerifyStep(
+            trees=self.trees,
+            num_reqs=num_reqs,
+            num_nodes_cpu=num_draft_tokens.copy(),
+            root_rows_cpu=root_rows,
+            row_request=row_request,
+            row_node=row_node,
+            tree_rows_device=torch.from_numpy(tree_rows).to(self.device, non_blocking=True),
+        )
+        verify_step.begin(step)
+
+    # ------------------------------------------------------------------ after the target forward
+
+    def sample(
+        self,
+        spec_decode_metadata: "SpecDecodeMetadata",
+        logits: torch.Tensor,
+        sampling_metadata: "SamplingMetadata",
+    ) -> torch.Tensor:
+        """Walk every tree; returns vLLM's ``[num_reqs, 1 + max drafts]`` token output (accepted, bonus, -1)."""
+        step = verify_step.current()
+        assert step is not None, "tree sampler called outside a verify step"
+        num_reqs = step.num_reqs
+        row_tokens = self._sample_rows(logits, step, sampling_metadata)
+        node_tokens = self.node_tokens[:num_reqs]
+        node_tokens.zero_()
+        node_tokens[step.row_request, step.row_node] = row_tokens
+        walk = walk_tree(node_tokens, self.trees, self.depth, self.walk)
+        self._compact_kv(step, walk)
+        verify_step.end()
+        self.last_step = step
+
+        width = 1 + int(step.num_nodes_cpu.max(initial=0))
+        out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=self.device)
+        n = min(width, self.depth + 1)
+        out[:, :n] = walk.output_token_ids[:num_reqs, :n]
+        return out
+
+    def _sample_rows(
+        self, logits: torch.Tensor, step: verify_step.VerifyStep, sampling_metadata: "SamplingMetadata"
+    ) -> torch.Tensor:
+        """One token per logits row with its request's sampling parameters (vLLM's semantics, sampler.py)."""
+        md = sampling_metadata
+        if md.all_greedy:
+            return logits.argmax(dim=-1)
+        req = step.row_request
+
+        def per_row(x):
+            return None if x is None else x[req]
+
+        min_p = None
+        from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+        for processor in md.logitsprocs.argmax_invariant:
+            if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
+                min_p = processor.min_p.view(-1)[: step.num_reqs]
+        if md.allowed_token_ids_mask is not None:
+            logits = logits.masked_fill(md.allowed_token_ids_mask[req], float("-inf"))
+        # Seeded requests draw every one of their rows from their own generator, in row order.
+        generators = {}
+        if md.generators:
+            starts = np.cumsum(step.num_nodes_cpu + 1) - (step.num_nodes_cpu + 1)
+            for r, gen in md.generators.items():
+                for row in range(starts[r], starts[r] + step.num_nodes_cpu[r] + 1):
+                    generators[int(row)] = gen
+        tokens = sample_node_tokens(
+            logits[:, None, :],
+            all_greedy=False,
+            all_random=md.all_random,
+            temperature=per_row(md.temperature),
+            top_k=per_row(md.top_k),
+            top_p=per_row(md.top_p),
+            min_p=per_row(min_p),
+            generators=generators,
+        )
+        return tokens.view(-1)
+
+    def _compact_kv(self, step: verify_step.VerifyStep, walk: TreeWalkOutput) -> None:
+        """Move accepted nodes' K/V from s + node to s + depth in every target attention layer."""
+        if self._compact is None:
+            from vllm_ddtree.kv_layout import TargetKVCompaction
+
+            self._compact = TargetKVCompaction(self.runner)
+        num_reqs = step.num_reqs
+        num_rows = torch.from_numpy(step.num_nodes_cpu + 1).to(self.device, non_blocking=True)
+        ctx_lens = self.runner.seq_lens[:num_reqs] - num_rows
+        self._compact(ctx_lens, walk.accepted_node_ids[:num_reqs])
+
+
+class TreeRejectionSampler(torch.nn.Module):
+    """Drop-in for vLLM's ``RejectionSampler`` in the runner (same call signature and output)."""
+
+    def __init__(self, verifier: TreeVerifier, fallback: torch.nn.Module):
+        super().__init__()
+        self.verifier = verifier
+        self.fallback = fallback  # vLLM's sampler for its own dummy/profiling runs, which carry no trees
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        if verify_step.current() is None:
+            return self.fallback(metadata, draft_probs, logits, sampling_metadata)
+        if sampling_metadata.max_num_logprobs is not None:
+            raise NotImplementedError("ddtree does not return logprobs yet")
+        tokens = self.verifier.sample(metadata, logits, sampling_metadata)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)

@@ -119,3 +119,24 @@ def drafter_block_size(hf_config: Any) -> int:
         if value:
             return int(value)
     raise DDTreeConfigError("the DFlash drafter's config has no block_size; add it to its config.json")
+
+
+# Request settings whose effect depends on the tokens before each tree node (the node's own path), which the tree
+# sampler does not model yet: each with the value that keeps it off.
+_PATH_DEPENDENT_REQUEST_SETTINGS: tuple[tuple[str, Any], ...] = (
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("min_tokens", 0),
+)
+
+
+def validate_ddtree_request(params: Any) -> None:
+    """Refuse, per request and before it reaches the engine, sampling settings the tree sampler cannot honour."""
+    for name, off in _PATH_DEPENDENT_REQUEST_SETTINGS:
+        if getattr(params, name) != off:
+            raise ValueError(f"{name}={getattr(params, name)} is not supported with ddtree speculative decoding yet")
+    if params.bad_words:
+        raise ValueError("bad_words is not supported with ddtree speculative decoding yet")
+    if params.structured_outputs is not None:
+        raise ValueError("structured outputs are not supported with ddtree speculative decoding yet")

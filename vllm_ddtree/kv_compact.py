@@ -15,14 +15,15 @@ strides and dtype; one "row" is the ``[H, E]`` entry of one slot.
   The CPU_ATTN K and V views (``torch_tree.cpu_attn_kv_views``) differ in strides: one KVCompactor for the K
   views and one for the V views, or, as the CPU engine does, ``kv_compact_torch``.
 
-Race freedom. One program owns (request, layer, head-dim chunk) and moves all k = 1..L of it: it loads every
-source row into registers, passes a block barrier, then stores every destination row. So no store of the program
-can precede one of its loads, whatever the overlap (``acc=[0,2,3]``: slot s+2 is both a source and a
-destination). Programs of one launch touch disjoint memory: different layers, head-dim chunks, or requests (whose
-tree slots lie in blocks of their own; vLLM never shares a block that is still being written). Layers that alias
-one cache (KV sharing) are deduplicated, or two programs would race. (An in-place copy in increasing k is also
-race-free, since ``acc[k'] >= k' > k`` means no later read hits an earlier write, but it serialises L dependent
-round trips per program; loading everything first costs one.)
+Race freedom. One program owns (request, layer, head-dim chunk) and moves k = 1..m of it in groups of KB rows:
+load the group's source rows, block barrier, store its destination rows. Within a group no store precedes any
+load (the barrier), whatever the overlap (``acc=[0,2,3]``: slot s+2 is both a source and a destination). Across
+groups, a later group never reads what an earlier one wrote (it reads ``s+acc[k'] >= s+k' > s+k`` for every
+earlier destination ``s+k``), and its stores follow its barrier, hence every earlier group's loads. Programs of one
+launch touch disjoint memory: different layers, head-dim chunks, or requests (whose tree slots lie in blocks of
+their own; vLLM never shares a block that is still being written). Layers that alias one cache (KV sharing) are
+deduplicated, or two programs would race. Groups bound the registers (KB x chunk) while m + 1 <= KB (the usual
+case) costs one dependent round trip; the loop stops at the request's own m (read on the device).
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ def _kv_compact_kernel(
     base_ptr, offsets_ptr, block_table_ptr, ctx_lens_ptr, acc_ptr,
     stride_c0, stride_c1, stride_c2, stride_c3,
     stride_bt0, stride_acc0,
-    NUM_ROW: tl.constexpr, E: tl.constexpr, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr,
+    NUM_ROW: tl.constexpr, E: tl.constexpr, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr, KB: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Program (request r, cache c, chunk): elements [chunk*CHUNK, +CHUNK) of the H*E row, for all k at once."""
+    """Program (request r, cache c, chunk): elements [chunk*CHUNK, +CHUNK) of the H*E row, k = 1..m in groups
+    of KB rows: load the group, barrier, store the group."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -50,22 +52,26 @@ def _kv_compact_kernel(
     idx = chunk * CHUNK + tl.arange(0, CHUNK)
     in_row = idx < NUM_ROW
     col = (idx // E).to(tl.int64) * stride_c2 + (idx % E).to(tl.int64) * stride_c3
-    k = tl.arange(0, WIDTH_PAD)
-    a = tl.load(acc_ptr + r.to(tl.int64) * stride_acc0 + k, mask=(k >= 1) & (k < WIDTH), other=-1)
-    # -1 = past the accepted path (or k = 0, the root, already in place); a == k (chain prefix) is in place too
-    valid = (a >= 0) & (a != k)
+    acc_row = acc_ptr + r.to(tl.int64) * stride_acc0
+    kk = tl.arange(0, WIDTH_PAD)
+    n_acc = tl.sum((tl.load(acc_row + kk, mask=kk < WIDTH, other=-1) >= 0).to(tl.int32), 0)  # m + 1 (0 if empty)
     ctx = tl.load(ctx_lens_ptr + r)
-    src_t = ctx + tl.maximum(a, 0)
-    dst_t = ctx + k
     bt_row = block_table_ptr + r.to(tl.int64) * stride_bt0
-    src_blk = tl.load(bt_row + src_t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    dst_blk = tl.load(bt_row + dst_t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    src = base + (src_blk * stride_c0 + (src_t % BLOCK_SIZE).to(tl.int64) * stride_c1)[:, None] + col[None, :]
-    dst = base + (dst_blk * stride_c0 + (dst_t % BLOCK_SIZE).to(tl.int64) * stride_c1)[:, None] + col[None, :]
-    m2 = valid[:, None] & in_row[None, :]
-    x = tl.load(src, mask=m2)
-    tl.debug_barrier()  # every thread's loads are done before any thread stores (sources and destinations overlap)
-    tl.store(dst, x, mask=m2)
+    for g in range(0, tl.cdiv(n_acc, KB)):
+        k = g * KB + tl.arange(0, KB)
+        a = tl.load(acc_row + k, mask=(k >= 1) & (k < WIDTH), other=-1)
+        # -1 = past the accepted path (or k = 0, the root, already in place); a == k (chain prefix) is in place
+        valid = (a >= 0) & (a != k)
+        src_t = ctx + tl.maximum(a, 0)
+        dst_t = ctx + k
+        src_blk = tl.load(bt_row + src_t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        dst_blk = tl.load(bt_row + dst_t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        src = base + (src_blk * stride_c0 + (src_t % BLOCK_SIZE).to(tl.int64) * stride_c1)[:, None] + col[None, :]
+        dst = base + (dst_blk * stride_c0 + (dst_t % BLOCK_SIZE).to(tl.int64) * stride_c1)[:, None] + col[None, :]
+        m2 = valid[:, None] & in_row[None, :]
+        x = tl.load(src, mask=m2)
+        tl.debug_barrier()  # all loads so far (this group and earlier ones) are done before any thread stores
+        tl.store(dst, x, mask=m2)
 
 
 def _check_views(caches: Sequence[torch.Tensor]) -> None:
@@ -83,8 +89,8 @@ class KVCompactor:
     table addresses every layer without int-to-pointer casts.
     """
 
-    def __init__(self, caches: Sequence[torch.Tensor], chunk: int | None = None):
-        """``chunk``: row elements per program (power of 2); default keeps (L+1) x chunk <= 4096 in registers."""
+    def __init__(self, caches: Sequence[torch.Tensor], chunk: int | None = None, num_warps: int | None = None):
+        """``chunk``: row elements per program (power of 2, default 512); ``num_warps`` default 4 (H200 sweep)."""
         _check_views(caches)
         # Layers that share one cache (KV sharing, e.g. Gemma) must be moved once: two programs moving the same
         # rows would race (one reads a slot the other already overwrote).
@@ -102,6 +108,7 @@ class KVCompactor:
         self.block_size = bs
         self.num_row = h * e
         self.chunk = chunk
+        self.num_warps = num_warps
 
     def __call__(self, block_table: torch.Tensor, ctx_lens: torch.Tensor, accepted: torch.Tensor) -> None:
         """``block_table [R, max_blocks]``, ``ctx_lens [R]`` (s_r), ``accepted [R, L+1]`` int: device tensors."""
@@ -111,13 +118,15 @@ class KVCompactor:
         assert accepted.stride(1) == 1 and ctx_lens.shape[0] >= num_reqs and block_table.shape[0] >= num_reqs
         s = self.base.stride()
         width_pad = triton.next_power_of_2(width)
-        chunk = self.chunk or min(triton.next_power_of_2(self.num_row), max(32, 4096 // width_pad))
+        kb = min(16, width_pad)
+        chunk = self.chunk or min(triton.next_power_of_2(self.num_row), 512)
+        num_warps = self.num_warps or 4
         grid = (num_reqs, len(self.caches), triton.cdiv(self.num_row, chunk))
         _kv_compact_kernel[grid](
             self.base, self.offsets, block_table, ctx_lens, accepted,
             s[0], s[1], s[2], s[3], block_table.stride(0), accepted.stride(0),
-            NUM_ROW=self.num_row, E=self.base.shape[3], WIDTH=width, WIDTH_PAD=width_pad,
-            BLOCK_SIZE=self.block_size, CHUNK=chunk,
+            NUM_ROW=self.num_row, E=self.base.shape[3], WIDTH=width, WIDTH_PAD=width_pad, KB=kb,
+            BLOCK_SIZE=self.block_size, CHUNK=chunk, num_warps=num_warps,
         )
 
 

@@ -26,6 +26,23 @@ from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.verifier import TreeRejectionSampler, TreeVerifier
 
 
+def _select_tree_attention_backend(vllm_config: VllmConfig) -> None:
+    """On GPU the target must run on TRITON_ATTN, the backend our tree kernel extends (CPU has only CPU_ATTN)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if not current_platform.is_cuda_alike():
+        return
+    attention = vllm_config.attention_config
+    if attention.backend is None:
+        attention.backend = AttentionBackendEnum.TRITON_ATTN
+    elif attention.backend != AttentionBackendEnum.TRITON_ATTN:
+        raise ValueError(
+            f"ddtree verifies trees on the TRITON_ATTN backend; got --attention-backend {attention.backend.name}. "
+            "Drop --attention-backend or set it to TRITON_ATTN."
+        )
+
+
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
@@ -39,11 +56,12 @@ class DDTreeProposer(DFlashProposer):
         self.verifier = TreeVerifier(runner, self.tree_budget, self.tree_depth, max_reqs, device)
         self._placeholder_drafts = torch.zeros(max_reqs * self.tree_depth, dtype=torch.int64, device=device)
         # Before the target model is built: its attention layers then pick the tree-aware backend subclasses.
+        _select_tree_attention_backend(vllm_config)
         tree_backends.install()
 
     def make_tree_sampler(self, sampler) -> TreeRejectionSampler:
         fallback = RejectionSampler(sampler, self.speculative_config, self.device)
-        return TreeRejectionSampler(self.verifier, fallback)
+        return TreeRejectionSampler(self.verifier, sampler, fallback)
 
     def prepare_tree_verify(self, spec_decode_metadata, num_draft_tokens: np.ndarray, cu_num_tokens: np.ndarray):
         """Runner hook, right after the slot mapping of a step with drafts (see verifier.TreeVerifier.prepare)."""

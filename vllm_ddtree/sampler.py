@@ -195,7 +195,7 @@ def tree_sample(
     """
     width = tree.budget + 1
     if target_logits.dim() == 2:
-        target_logits = target_logits.view(-1, width, target_logits.shape[-1])
+        target_logits = target_logits.reshape(-1, width, target_logits.shape[-1])
     node_tokens = sample_node_tokens(
         target_logits,
         all_greedy=all_greedy,
@@ -225,7 +225,7 @@ def tree_sample_from_metadata(
     rows = target_logits.shape[0] if target_logits.dim() == 3 else target_logits.shape[0] // (tree.budget + 1)
     if sampling_metadata.allowed_token_ids_mask is not None:
         mask = sampling_metadata.allowed_token_ids_mask[:rows]
-        target_logits = target_logits.view(rows, tree.budget + 1, -1).masked_fill(mask[:, None, :], float("-inf"))
+        target_logits = target_logits.reshape(rows, tree.budget + 1, -1).masked_fill(mask[:, None, :], float("-inf"))
     min_p = None
     if not sampling_metadata.all_greedy:
         from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor

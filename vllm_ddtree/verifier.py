@@ -54,10 +54,13 @@ class TreeVerifier:
         """Gather this step's trees (``draft_rows[r]``: row of request r's tree in ``draft_trees``) and write the
         tree rows' depth positions in place; publish the step for the attention backend and the sampler."""
         num_reqs = len(num_draft_tokens)
+        # A request whose drafts came from an older tree (it sat out the last draft step, e.g. preempted, and the
+        # tree's row was reused since) verifies no tree: accepting nothing is always lossless.
+        has_tree = (draft_rows >= 0) & (num_draft_tokens > 0)
         index = torch.from_numpy(np.maximum(draft_rows, 0)).to(self.device, non_blocking=True)
         for name in ("token_ids", "parents", "depths", "ancestor_bits"):
             torch.index_select(getattr(draft_trees, name), 0, index, out=getattr(self.trees, name)[:num_reqs])
-        num_nodes = torch.from_numpy(num_draft_tokens.astype(np.int32))
+        num_nodes = torch.from_numpy(np.where(has_tree, num_draft_tokens, 0).astype(np.int32))
         self.trees.num_nodes[:num_reqs].copy_(num_nodes, non_blocking=True)
 
         # Logits rows are each request's last 1 + drafts tokens: the root, then its nodes in tree order.
@@ -66,21 +69,23 @@ class TreeVerifier:
         row_node_np = np.arange(row_request_np.size) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
         row_request = torch.from_numpy(row_request_np).to(self.device, non_blocking=True)
         row_node = torch.from_numpy(row_node_np).to(self.device, non_blocking=True)
+        row_has_tree = torch.from_numpy(np.repeat(has_tree, num_rows)).to(self.device, non_blocking=True)
         depth = self.trees.depths[row_request, row_node].to(torch.int64)
-        shift = depth - row_node  # node i sits at row s + i but its position is s + depth(i)
+        # Node i sits at slot s + i but its position is s + depth(i); rows without a tree keep chain positions.
+        shift = torch.where(row_has_tree, depth - row_node, 0)
         rows = spec_decode_metadata.logits_indices
         runner = self.runner
         runner.positions[rows] += shift
         if getattr(runner, "uses_mrope", False):
             runner.mrope_positions.gpu[:, rows] += shift
 
-        root_rows = cu_num_tokens - num_rows
-        tree_rows = np.where(num_draft_tokens > 0, np.arange(num_reqs), -1).astype(np.int32)
+        tree_rows = np.where(has_tree, np.arange(num_reqs), -1).astype(np.int32)
         step = verify_step.VerifyStep(
             trees=self.trees,
             num_reqs=num_reqs,
             num_nodes_cpu=num_draft_tokens.copy(),
-            root_rows_cpu=root_rows,
+            has_tree_cpu=has_tree,
+            root_rows_cpu=cu_num_tokens - num_rows,
             row_request=row_request,
             row_node=row_node,
             tree_rows_device=torch.from_numpy(tree_rows).to(self.device, non_blocking=True),
@@ -117,23 +122,19 @@ class TreeVerifier:
     def _sample_rows(
         self, logits: torch.Tensor, step: verify_step.VerifyStep, sampling_metadata: "SamplingMetadata"
     ) -> torch.Tensor:
-        """One token per logits row with its request's sampling parameters (vLLM's semantics, sampler.py)."""
+        """One token per logits row with its request's sampling parameters (vLLM's semantics, sampler.py).
+
+        min_p and logit_bias need no handling: vLLM refuses them for every speculative method."""
         md = sampling_metadata
+        req = step.row_request
+        if md.allowed_token_ids_mask is not None:
+            logits = logits.masked_fill(md.allowed_token_ids_mask[req], float("-inf"))
         if md.all_greedy:
             return logits.argmax(dim=-1)
-        req = step.row_request
 
         def per_row(x):
             return None if x is None else x[req]
 
-        min_p = None
-        from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-
-        for processor in md.logitsprocs.argmax_invariant:
-            if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
-                min_p = processor.min_p.view(-1)[: step.num_reqs]
-        if md.allowed_token_ids_mask is not None:
-            logits = logits.masked_fill(md.allowed_token_ids_mask[req], float("-inf"))
         # Seeded requests draw every one of their rows from their own generator, in row order.
         generators = {}
         if md.generators:
@@ -148,7 +149,6 @@ class TreeVerifier:
             temperature=per_row(md.temperature),
             top_k=per_row(md.top_k),
             top_p=per_row(md.top_p),
-            min_p=per_row(min_p),
             generators=generators,
         )
         return tokens.view(-1)
@@ -168,15 +168,33 @@ class TreeVerifier:
 class TreeRejectionSampler(torch.nn.Module):
     """Drop-in for vLLM's ``RejectionSampler`` in the runner (same call signature and output)."""
 
-    def __init__(self, verifier: TreeVerifier, fallback: torch.nn.Module):
+    def __init__(self, verifier: TreeVerifier, sampler, fallback: torch.nn.Module):
         super().__init__()
         self.verifier = verifier
-        self.fallback = fallback  # vLLM's sampler for its own dummy/profiling runs, which carry no trees
+        self.sampler = sampler  # vLLM's Sampler: its logprobs helpers and mode
+        self.fallback = fallback  # vLLM's RejectionSampler for its own dummy/profiling runs, which carry no trees
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        if verify_step.current() is None:
+        step = verify_step.current()
+        if step is None:
             return self.fallback(metadata, draft_probs, logits, sampling_metadata)
-        if sampling_metadata.max_num_logprobs is not None:
-            raise NotImplementedError("ddtree does not return logprobs yet")
         tokens = self.verifier.sample(metadata, logits, sampling_metadata)
-        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._logprobs(step, logits, tokens, sampling_metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)
+
+    def _logprobs(self, step: verify_step.VerifyStep, logits: torch.Tensor, tokens: torch.Tensor, k: int):
+        """Logprobs of every output slot: output j was drawn at accepted node j, i.e. logits row start + acc[j].
+
+        Padding slots get row 0 / token 0 and are dropped by vLLM's parse_output (it filters on the -1 tokens)."""
+        num_reqs, width = tokens.shape
+        num_rows = step.num_nodes_cpu + 1
+        starts = torch.from_numpy(np.cumsum(num_rows) - num_rows).to(logits.device, non_blocking=True)
+        acc = self.verifier.walk.accepted_node_ids[:num_reqs, : min(width, self.verifier.depth + 1)].to(torch.int64)
+        acc = torch.nn.functional.pad(acc, (0, width - acc.shape[1]), value=-1)
+        rows = torch.where(acc >= 0, starts[:, None] + acc, 0).flatten()
+        chosen = logits[rows].to(torch.float32)
+        if not self.sampler.logprobs_mode.endswith("logits"):
+            chosen = self.sampler.compute_logprobs(chosen)
+        return self.sampler.gather_logprobs(chosen, k, tokens.clamp(min=0).flatten().to(torch.int64))

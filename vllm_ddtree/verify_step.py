@@ -22,7 +22,8 @@ class VerifyStep:
 
     trees: TreeBatch  # rows [:num_reqs] hold this step's trees; num_nodes = drafts the scheduler kept
     num_reqs: int
-    num_nodes_cpu: np.ndarray  # [num_reqs] scheduled drafts per request (0: no tree, the row is just the root)
+    num_nodes_cpu: np.ndarray  # [num_reqs] scheduled drafts per request: its rows are the root, then these
+    has_tree_cpu: np.ndarray  # [num_reqs] bool: verifies a tree (False: no drafts, or drafts from a stale tree)
     root_rows_cpu: np.ndarray  # [num_reqs] flat token row of each request's root (its tree rows follow)
     row_request: torch.Tensor  # [num_logits_rows] request of each logits row (rows are root, node 1, ...)
     row_node: torch.Tensor  # [num_logits_rows] node index of each logits row
@@ -30,8 +31,8 @@ class VerifyStep:
 
     @property
     def tree_requests(self) -> np.ndarray:
-        """Batch rows that verify a tree (at least one draft node)."""
-        return np.flatnonzero(self.num_nodes_cpu > 0)
+        """Batch rows that verify a tree."""
+        return np.flatnonzero(self.has_tree_cpu)
 
 
 _current: VerifyStep | None = None

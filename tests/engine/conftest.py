@@ -52,3 +52,25 @@ def smollm2_dflash_dir(smollm2_dir) -> Path:
 
 
 # --- end offline models ------------------------------------------------------------------------------------------
+
+
+# --- ddtree engine runs -------------------------------------------------------------------------------------------
+from engine_run import PROMPTS, run_engine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tiny_llama_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    return [tok(p).input_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama_dir, prompt_ids) -> list[list[int]]:
+    """Greedy no-spec continuations (ignore_eos: the random model would stop at arbitrary points otherwise)."""
+    return run_engine(model=str(tiny_llama_dir), prompt_token_ids=prompt_ids, max_tokens=48, ignore_eos=True)[
+        "token_ids"
+    ]
+
+

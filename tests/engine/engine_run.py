@@ -13,11 +13,36 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+RUNNER = Path(__file__)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "Translate to German: good morning",
+    "import numpy as np\n",
+    "Q: What is 12 * 7?\nA:",
+    "The quick brown fox",
+]
+
+
+def run_engine(**args) -> dict:
+    """Run this script in a fresh process with ``args`` and return its JSON result."""
+    proc = subprocess.run([sys.executable, str(RUNNER), json.dumps(args)], capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("ENGINE_RESULT ") :])
 
 
 def install_oracle(reference: dict[tuple[int, ...], list[int]], p_first: float, p_second: float, seed: int):
@@ -55,6 +80,29 @@ def install_oracle(reference: dict[tuple[int, ...], list[int]], p_first: float, 
     proposer_module.DDTreeProposer._sample_draft_tokens = oracle_sample_draft_tokens
 
 
+def abort_run(llm, prompts, params, steps: int) -> dict:
+    """Start every prompt, step the engine, abort the even-numbered requests, finish the rest; count free blocks."""
+    engine = llm.llm_engine
+    block_pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    free_at_start = block_pool.get_num_free_blocks()
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    for _ in range(steps):
+        engine.step()
+    engine.abort_request(ids[::2])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+    return {
+        "free_at_start": free_at_start,
+        "free_at_end": block_pool.get_num_free_blocks(),
+        "finished": finished,
+    }
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -76,6 +124,8 @@ def main() -> None:
         distributed_executor_backend="uni",
         seed=0,
         disable_log_stats=False,
+        num_gpu_blocks_override=args.get("num_gpu_blocks"),
+        block_size=args.get("block_size"),
     )
     params = [
         SamplingParams(
@@ -83,22 +133,31 @@ def main() -> None:
             max_tokens=args.get("max_tokens", 32),
             seed=args.get("seed"),
             ignore_eos=args.get("ignore_eos", False),
+            logprobs=args.get("logprobs"),
         )
     ]
     prompts = [{"prompt_token_ids": p} for p in args["prompt_token_ids"]]
     results = []
+    if args.get("abort_after_steps") is not None:
+        print("ENGINE_RESULT " + json.dumps(abort_run(llm, prompts, params[0], args["abort_after_steps"])), flush=True)
+        return
     if args.get("one_at_a_time"):
         for prompt in prompts:
             results += llm.generate([prompt], params * 1, use_tqdm=False)
     else:
         results = llm.generate(prompts, params * len(prompts), use_tqdm=False)
     out = {"token_ids": [list(r.outputs[0].token_ids) for r in results]}
+    if args.get("logprobs") is not None:  # each output token's own logprob
+        out["logprobs"] = [
+            [step[t].logprob for t, step in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)] for r in results
+        ]
     metrics = {
         m.name: getattr(m, "value", None) if hasattr(m, "value") else list(getattr(m, "values", []))
         for m in llm.get_metrics()
         if "spec_decode" in m.name
     }
     out["spec_decode"] = metrics
+    out["preemptions"] = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     print("ENGINE_RESULT " + json.dumps(out), flush=True)
 
 

@@ -88,3 +88,33 @@ def test_refuses_explicit_async_scheduling(tiny_llama_dir, tiny_llama_dflash_dir
     )
     with pytest.raises(Exception, match="--no-async-scheduling"):
         args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"min_tokens": 4}, "min_tokens"),
+        ({"bad_words": ["foo"]}, "bad_words"),
+        ({"min_p": 0.1}, "min_p"),  # vLLM's own refusal for every speculative method
+    ],
+)
+def test_unsupported_request_settings_are_refused_per_request(tiny_llama_dir, tiny_llama_dflash_dir, setting, message):
+    from vllm import SamplingParams
+
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=8, **setting)
+    with pytest.raises(ValueError, match=message):
+        params.verify(config.model_config, config.speculative_config, config.structured_outputs_config, None)
+    # The same request is fine without speculative decoding.
+    params.verify(config.model_config, None, config.structured_outputs_config, None)
+
+
+def test_supported_request_settings_pass(tiny_llama_dir, tiny_llama_dflash_dir):
+    from vllm import SamplingParams
+
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=3, logprobs=2, n=2)
+    params.verify(config.model_config, config.speculative_config, config.structured_outputs_config, None)

@@ -8,50 +8,11 @@ depth positions and the drafter's linearised inputs, not just rejected trees.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).with_name("engine_run.py")
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "1, 2, 3, 4,",
-    "Translate to German: good morning",
-    "import numpy as np\n",
-    "Q: What is 12 * 7?\nA:",
-    "The quick brown fox",
-]
-
-
-def run_engine(**args) -> dict:
-    proc = subprocess.run([sys.executable, str(RUNNER), json.dumps(args)], capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len("ENGINE_RESULT ") :])
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tiny_llama_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
-    return [tok(p).input_ids for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir, prompt_ids) -> list[list[int]]:
-    """Greedy no-spec continuations (ignore_eos: the random model would stop at arbitrary points otherwise)."""
-    return run_engine(model=str(tiny_llama_dir), prompt_token_ids=prompt_ids, max_tokens=48, ignore_eos=True)[
-        "token_ids"
-    ]
-
+from engine_run import run_engine
 
 def ddtree_spec(drafter: Path, budget: int) -> dict:
     return {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": budget}
@@ -101,3 +62,49 @@ def test_sampled_ddtree_runs_and_seed_reproduces(tiny_llama_dir, tiny_llama_dfla
     first, second = run_engine(**kwargs), run_engine(**kwargs)
     assert all(len(t) == 24 for t in first["token_ids"])
     assert first["token_ids"] == second["token_ids"]
+
+
+def test_logprobs_match_no_spec(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
+    kwargs = dict(model=str(tiny_llama_dir), prompt_token_ids=prompt_ids[:3], max_tokens=24, ignore_eos=True, logprobs=2)
+    base = run_engine(**kwargs)
+    tree = run_engine(
+        **kwargs,
+        spec=ddtree_spec(tiny_llama_dflash_dir, 8),
+        oracle={"prompt_token_ids": prompt_ids, "continuations": reference},
+    )
+    assert tree["token_ids"] == base["token_ids"]
+    for ours, theirs in zip(tree["logprobs"], base["logprobs"]):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_preemption_with_a_tiny_kv_cache_stays_lossless(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
+    result = run_engine(
+        model=str(tiny_llama_dir),
+        prompt_token_ids=prompt_ids,
+        max_tokens=48,
+        ignore_eos=True,
+        spec=ddtree_spec(tiny_llama_dflash_dir, 16),
+        oracle={"prompt_token_ids": prompt_ids, "continuations": reference},
+        num_gpu_blocks=12,
+        block_size=16,
+        max_model_len=128,
+    )
+    assert result["token_ids"] == reference
+    assert result["preemptions"] > 0, "the KV cache was meant to be too small for all requests at once"
+
+
+def test_aborted_requests_free_their_blocks(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
+    result = run_engine(
+        model=str(tiny_llama_dir),
+        prompt_token_ids=prompt_ids,
+        max_tokens=48,
+        ignore_eos=True,
+        spec=ddtree_spec(tiny_llama_dflash_dir, 16),
+        oracle={"prompt_token_ids": prompt_ids, "continuations": reference},
+        abort_after_steps=4,
+    )
+    assert result["free_at_end"] == result["free_at_start"]
+    finished = result["finished"]
+    assert sorted(finished) == [f"req-{i}" for i in range(1, len(prompt_ids), 2)]
+    for rid, tokens in finished.items():
+        assert tokens == reference[int(rid.split("-")[1])]

@@ -169,13 +169,11 @@ def test_cache_reused(tmp_path, smollm2_dir, tiny_llama_dir):
     assert reuse_s < 1.0 and reuse_s < build_s, (reuse_s, build_s)
     assert not _tmp_dirs(tmp_path)
     # The env var selects the cache; a different recipe (seed) is a different directory.
-    os.environ["VLLM_DDTREE_CACHE"] = str(tmp_path)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_DDTREE_CACHE", str(tmp_path))
         assert om.cache_dir() == tmp_path.resolve()
         assert om.random_dflash_dir(tgt, block_size=16, num_layers=2) == drf
         drf1 = om.random_dflash_dir(tgt, block_size=16, num_layers=2, seed=1)
-    finally:
-        del os.environ["VLLM_DDTREE_CACHE"]
     assert drf1 != drf and om.is_complete(drf1)
     from safetensors.torch import load_file
 
@@ -258,9 +256,8 @@ def test_e2e_dflash_greedy_equals_no_spec(tmp_path, tiny_llama_dir, tiny_llama_d
     for i, (a, b) in enumerate(zip(base["token_ids"], spec["token_ids"])):
         assert len(a) == E2E_MAX_TOKENS
         assert a == b, f"prompt {i}: no-spec {a} != dflash {b}"
-    # The drafter really ran.
-    drafts = spec.get("spec", {}).get("vllm:spec_decode_num_drafts")
-    assert drafts is None or drafts > 0, spec.get("spec")
+    # The drafter really ran (random weights: ~0 acceptance, so every step drafted).
+    assert spec["spec"].get("vllm:spec_decode_num_drafts", 0) > 0, spec["spec"]
 
 
 def _e2e_worker(argv: list[str]) -> None:

@@ -179,3 +179,17 @@ def test_aliased_layers_moved_once():
     kv_compact_torch(ref, bt, ctx, acc)
     KVCompactor([views[0], views[0]])(bt, ctx, acc)
     assert torch.equal(views[0], ref[0])
+
+
+def test_long_paths_span_several_row_groups():
+    """m + 1 > 16: the kernel moves rows in groups of 16; overlaps cross group boundaries (acc[k] = k + 1)."""
+    gen = torch.Generator().manual_seed(6)
+    bs = 16
+    nb, bt, ctx, _ = make_batch([5, 30, 0], [0, 0, 0], 41, 60, bs, gen)
+    shift = [0] + [k + 1 for k in range(1, 36)]  # every source is the next destination
+    acc = torch.full((3, 41), -1, dtype=torch.int32)
+    acc[0, :36] = torch.tensor(shift)
+    acc[1, :17] = torch.tensor(random_accepted(17, 16, gen, 60)[:17])  # m + 1 = 17: one row into group 2
+    acc[2, :16] = torch.tensor(random_accepted(16, 15, gen, 60)[:16])  # m + 1 = 16: exactly one group
+    _, views = make_layers(2, nb, bs, 2, 16, torch.float32, gen)
+    check_all(views, bt, ctx, acc)

@@ -241,10 +241,12 @@ def test_default_rows_and_hnd_layout():
     assert_close(c.run_triton(use_rows=False), c.dense_reference(), torch.float32)
 
 
-@pytest.mark.parametrize("block_m,tile", [(16, 16), (64, 32), (32, 64)])
-def test_tile_shapes(block_m, tile):
+@pytest.mark.parametrize("block_m,tile,k_rows", [(16, 16, False), (64, 32, True), (32, 64, False), (128, 128, True)])
+def test_tile_shapes(block_m, tile, k_rows):
+    """Tiles smaller and larger than a KV block, both K load forms."""
     c = Case([100, 17], [17, 17], 16, 4, 1, 64, 32, torch.float32, seed=13)
-    assert_close(c.run_triton(block_m=block_m, tile_size=tile), c.dense_reference(), torch.float32)
+    out = c.run_triton(block_m=block_m, tile_size=tile, k_rows=k_rows)
+    assert_close(out, c.dense_reference(), torch.float32)
 
 
 def test_ancestor_mask_decoding():

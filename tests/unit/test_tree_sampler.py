@@ -39,14 +39,15 @@ def random_trees(rows: int, budget: int, depth: int, vocab: int, seed: int) -> T
     """Built trees with some rows truncated (a prefix of the node list) and one row with no tree."""
     gen = torch.Generator().manual_seed(seed)
     tree = TreeBatch.allocate(rows, budget, "cpu")
-    build_tree(torch.randn(rows, depth, vocab, generator=gen) * 2, budget, tree, torch.randint(0, vocab, (rows,)))
+    draft_logits = torch.randn(rows, depth, vocab, generator=gen) * 5  # peaked: deep trees
+    build_tree(draft_logits, budget, tree, torch.randint(0, vocab, (rows,), generator=gen))
     tree.num_nodes[0] = 0
     tree.num_nodes[1] = min(3, budget)
     return tree
 
 
 def posterior_following_tree(tree: TreeBatch, vocab: int, follow: float, seed: int) -> torch.Tensor:
-    """Per-node target tokens that pick one of the node's children with probability ``follow``."""
+    """Per-node target tokens that pick a child with probability ``follow`` (the first, most likely, half the time)."""
     gen = torch.Generator().manual_seed(seed)
     rows, width = tree.token_ids.shape
     post = torch.randint(0, vocab, (rows, width), generator=gen)
@@ -54,7 +55,8 @@ def posterior_following_tree(tree: TreeBatch, vocab: int, follow: float, seed: i
         for i in range(width):
             kids = [j for j in range(1, width) if int(tree.parents[r, j]) == i]
             if kids and torch.rand((), generator=gen) < follow:
-                post[r, i] = tree.token_ids[r, kids[int(torch.randint(len(kids), (), generator=gen))]]
+                pick = 0 if torch.rand((), generator=gen) < 0.5 else int(torch.randint(len(kids), (), generator=gen))
+                post[r, i] = tree.token_ids[r, kids[pick]]
     return post
 
 
@@ -154,6 +156,12 @@ def sampling_tree(kind: str, a, b, params) -> tuple[list[int], list[int]]:
     return tokens, parents
 
 
+def repeated_tree(tokens: list[int], parents: list[int], rows: int) -> TreeBatch:
+    one = tree_batch_from_lists([(tokens, parents)], budget=len(tokens), root_tokens=[0])
+    return TreeBatch(*(t.expand(rows, *t.shape[1:]).contiguous() for t in (
+        one.token_ids, one.parents, one.depths, one.ancestor_bits, one.num_nodes)))
+
+
 def node_logits(tokens, parents, a, b, c) -> torch.Tensor:
     depth = [0]
     for p in parents:
@@ -198,7 +206,7 @@ def run_sampled(kind: str, params: dict, seed: int, sampler_params: dict | None 
     a, b, c = target_tables(seed)
     tokens, parents = sampling_tree(kind, a, b, params)
     logits = node_logits(tokens, parents, a, b, c)
-    tree = tree_batch_from_lists([(tokens, parents)] * DRAWS, budget=len(tokens), root_tokens=[0] * DRAWS)
+    tree = repeated_tree(tokens, parents, DRAWS)
     if no_tree:
         tree.num_nodes.zero_()
     use = dict(params, **(sampler_params or {}))
@@ -268,7 +276,7 @@ def test_chi_square_rejects_min_p_over_q_acceptance() -> None:
     a, b, c = target_tables(11)
     tokens, parents = sampling_tree("matching", a, b, params)
     logits = node_logits(tokens, parents, a, b, c).expand(DRAWS, -1, -1)
-    tree = tree_batch_from_lists([(tokens, parents)] * DRAWS, budget=len(tokens), root_tokens=[0] * DRAWS)
+    tree = repeated_tree(tokens, parents, DRAWS)
     gen = torch.Generator().manual_seed(11)
     node_tokens = sample_node_tokens(logits, all_greedy=False, temperature=torch.ones(DRAWS), generators={})
     # Root: accept the top child c with prob min(1, p(c)/q(c)), else draw from norm(max(p - q, 0)).

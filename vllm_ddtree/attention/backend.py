@@ -9,10 +9,14 @@ with the ancestor mask after vLLM wrote the step's K/V to the cache at linear sl
 from __future__ import annotations
 
 import torch
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
+)
 
 from vllm_ddtree import verify_step
 from vllm_ddtree.attention.torch_tree import cpu_attn_kv_views, tree_attention_torch
@@ -23,9 +27,14 @@ def install() -> None:
     register_backend(AttentionBackendEnum.TRITON_ATTN, f"{__name__}.TreeTritonAttentionBackend")
 
 
-def _check_supported(impl) -> None:
+def _tree_step(impl, attn_metadata) -> verify_step.VerifyStep | None:
+    """The verify step whose tree rows this decoder-attention call must mask, or None outside one."""
+    step = verify_step.current()
+    if step is None or attn_metadata is None or impl.attn_type != AttentionType.DECODER:
+        return None
     if impl.sliding_window not in (None, -1, (-1, -1)) or impl.logits_soft_cap or impl.sinks is not None:
         raise NotImplementedError("ddtree tree attention: sliding window, softcap and sinks are not supported")
+    return step
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -33,10 +42,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        step = verify_step.current()
-        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        step = _tree_step(self, attn_metadata)
+        if step is None:
             return output
-        _check_supported(self)
         key_cache, value_cache = cpu_attn_kv_views(kv_cache)
         q = query.view(query.shape[0], self.num_heads, self.head_size)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
@@ -67,24 +75,23 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        step = verify_step.current()
-        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        step = _tree_step(self, attn_metadata)
+        if step is None:
             return output
         from vllm_ddtree.attention.triton_tree import tree_attention
 
-        _check_supported(self)
         kv = kv_cache.transpose(1, 2)
         key_cache, value_cache = kv.split(self.head_size, dim=-1)
-        n = attn_metadata.num_actual_tokens
+        n, r = attn_metadata.num_actual_tokens, step.num_reqs  # vLLM may pad requests past r: leave them out
         out = output[:n].view(n, self.num_heads, self.head_size)
         tree_attention(
             query[:n].view(n, self.num_heads, self.head_size),
             key_cache,
             value_cache,
             out,
-            attn_metadata.query_start_loc,
-            attn_metadata.seq_lens,
-            attn_metadata.block_table,
+            attn_metadata.query_start_loc[: r + 1],
+            attn_metadata.seq_lens[:r],
+            attn_metadata.block_table[:r],
             step.trees.ancestor_bits,
             self.scale,
             tree_rows=step.tree_rows_device,
@@ -93,7 +100,17 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
         return output
 
 
+class TreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+    # The tree pass is chosen in Python per step (verify_step.current()), which a captured CUDA graph would freeze:
+    # declaring no graph support makes vLLM run attention eagerly between piecewise graphs, so it stays correct.
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+
 class TreeTritonAttentionBackend(TritonAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return TreeTritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return TreeTritonAttentionMetadataBuilder

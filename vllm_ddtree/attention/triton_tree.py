@@ -286,11 +286,38 @@ def split_workspace(
     )
 
 
-def pick_block_m(max_query_len: int, num_queries_per_kv: int) -> int:
-    """Packed rows per program: the whole tree's heads if they fit (each K/V tile is then read once), 16..64."""
+def pick_block_m(max_query_len: int, num_queries_per_kv: int, head_size: int = 128) -> int:
+    """Packed rows per program: the whole tree's heads if they fit (each K/V tile is then read once), 16..128
+    (64 for head sizes > 128, to stay within registers)."""
     g2 = triton.next_power_of_2(num_queries_per_kv)
-    bm = min(max(16, triton.next_power_of_2(max(1, max_query_len) * num_queries_per_kv)), 64)
+    cap = 128 if head_size <= 128 else 64
+    bm = min(max(16, triton.next_power_of_2(max(1, max_query_len) * num_queries_per_kv)), cap)
     return max(bm, g2)
+
+
+def launch_config(block_m: int, head_size: int, elem_size: int) -> tuple[int, int, int]:
+    """(tile, num_warps, num_stages) measured best on an H200 (bf16, D=128; out/attn_gpu notes in the report):
+    128-row programs want 128-key tiles and 8 warps, 64-row programs 64-key tiles and 4 warps, 3 stages. Smaller
+    tiles for D > 128 and fp32 keep the pipelined K/V tiles inside shared memory."""
+    if head_size > 128 or elem_size > 2:
+        return (32 if head_size > 128 else 64), 4, 2
+    if block_m >= 128:
+        return 128, 8, 3
+    return 64, 4, 3
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _cached_workspace(num_tokens, num_q_heads, head_size, num_kv_splits, device):
+    """One workspace per (heads, head size, splits, device), grown to the largest token count seen. Layers run one
+    after another on one stream, so they can share it: a layer's merge reads it before the next layer writes."""
+    key = (num_q_heads, _head_pad(head_size), num_kv_splits, str(device))
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].shape[0] < num_tokens:
+        ws = split_workspace(max(num_tokens, 256), num_q_heads, head_size, num_kv_splits, device)
+        _WORKSPACES[key] = ws
+    return ws
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -300,8 +327,8 @@ def auto_kv_splits(
     num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, max_query_len: int,
     device: torch.device | str, block_m: int | None = None,
 ) -> int:
-    """Split-KV factor that gives the grid about two programs per SM (1 on CPU). Host ints only, so a backend can
-    size its workspace with it at capture time; any factor is correct for any sequence lengths."""
+    """Split-KV factor that gives the grid about four programs per SM, at most 16 (1 on CPU). Host ints only, so a
+    backend can size its workspace with it at capture time; any factor is correct for any sequence lengths."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return 1
@@ -309,11 +336,11 @@ def auto_kv_splits(
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     g = num_q_heads // num_kv_heads
-    bm = block_m or pick_block_m(max_query_len, g)
+    bm = block_m or pick_block_m(max_query_len, g, 128)
     q_tiles = min(num_tokens // (bm // g) + num_seqs, num_seqs * triton.cdiv(max(1, max_query_len), bm // g))
     programs = max(1, q_tiles * num_kv_heads)
     splits = 1
-    while splits < 32 and programs * splits * 2 <= 2 * _NUM_SMS[idx]:
+    while splits < 16 and programs * splits * 2 <= 4 * _NUM_SMS[idx]:
         splits *= 2
     return splits
 
@@ -331,22 +358,23 @@ def tree_attention(
     *,
     tree_rows: torch.Tensor | None = None,
     max_query_len: int | None = None,
-    num_kv_splits: int | None = 1,
+    num_kv_splits: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     block_m: int | None = None,
     tile_size: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    k_rows: bool = True,
+    k_rows: bool = False,
     softcap: float = 0.0,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Tree-masked paged attention; writes ``out [T, Hq, D]`` and returns it (see module docstring).
 
     ``max_query_len`` (a host int, e.g. vLLM's ``max_query_len``; default ``B+1``) only tunes the tile shape:
-    any value is correct because the grid covers every token. ``num_kv_splits``: 1 = single pass, None = auto
-    (``auto_kv_splits``), > 1 (a power of 2) needs ``workspace`` from ``split_workspace`` (allocated on the fly
-    otherwise, which CUDA graphs dislike). No host syncs: every shape and launch parameter comes from tensor
+    any value is correct because the grid covers every token. ``num_kv_splits``: None = auto (``auto_kv_splits``;
+    always 1 on CPU), 1 = single pass, > 1 (a power of 2) uses ``workspace`` from ``split_workspace``, or else a
+    module-level one shared by all calls (fine eagerly; for CUDA graphs preallocate one at capture time). Tile, warps and
+    stages default to ``launch_config``. No host syncs: every shape and launch parameter comes from tensor
     shapes and Python ints.
     """
     if softcap:
@@ -369,10 +397,11 @@ def tree_attention(
     g = num_q_heads // num_kv_heads
     if max_query_len is None:
         max_query_len = ancestor_bits.shape[1]
-    bm = block_m or pick_block_m(max_query_len, g)
+    bm = block_m or pick_block_m(max_query_len, g, head_size)
     assert bm >= g and bm >= 16 and (bm & (bm - 1)) == 0
     block_q = bm // g
-    tile = tile_size or (32 if head_size > 128 else 64)
+    d_tile, d_warps, d_stages = launch_config(bm, head_size, q.element_size())
+    tile = tile_size or d_tile
     head_pad = _head_pad(head_size)
     grid0 = num_tokens // block_q + num_seqs
     if num_kv_splits is None:
@@ -380,18 +409,14 @@ def tree_attention(
     if num_kv_splits > 1:
         assert triton.next_power_of_2(num_kv_splits) == num_kv_splits, "num_kv_splits must be a power of 2"
         if workspace is None:
-            workspace = split_workspace(num_tokens, num_q_heads, head_size, num_kv_splits, q.device)
+            workspace = _cached_workspace(num_tokens, num_q_heads, head_size, num_kv_splits, q.device)
         part_acc, part_m, part_l = workspace
         assert part_acc.shape[0] >= num_tokens and part_acc.shape[1:] == (num_q_heads, num_kv_splits, head_pad)
         assert part_acc.is_contiguous() and part_m.is_contiguous() and part_l.is_contiguous()
     else:
         part_acc = part_m = part_l = out  # unused
     use_tree_rows = tree_rows is not None
-    kwargs = {}
-    if num_warps is not None:
-        kwargs["num_warps"] = num_warps
-    if num_stages is not None:
-        kwargs["num_stages"] = num_stages
+    kwargs = {"num_warps": num_warps or d_warps, "num_stages": num_stages or d_stages}
     _tree_attn_kernel[(grid0, num_kv_heads, num_kv_splits)](
         out, q, key_cache, value_cache,
         block_table, seq_lens, query_start_loc, ancestor_bits, tree_rows if use_tree_rows else seq_lens,

@@ -63,15 +63,21 @@ def per_depth_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
 
 @dataclass(frozen=True)
 class _BuildPlan:
-    """Static index tensors for one (budget, top-k, depth, device): built once, then reused (graph-safe)."""
+    """Static index tensors for one (budget, top-k, depth, device): built once, then reused (graph-safe).
+
+    Candidates of all depths live in one flat table (depth 1's are (root, rank r) for r < n_1); a beam member
+    is named by its flat candidate index, so tokens, parents and depths are gathered once, after the loop.
+    """
 
     beam_sizes: tuple[int, ...]  # n_d = min(B, K^d), d = 1..L
-    cand_parent_pos: tuple[torch.Tensor, ...]  # per depth d >= 2: [M_d] parent beam position of each candidate
-    cand_rank: tuple[torch.Tensor, ...]  # per depth d >= 2: [M_d] top-k rank of each candidate
-    member_offsets: tuple[int, ...]  # first member index of depth d in the merged list (root is member 0)
-    member_depths: torch.Tensor  # [sum n_d] int32 depth of each merged member
+    cand_starts: tuple[int, ...]  # where depth d's candidates start in the flat table
+    cand_parent_pos: tuple[torch.Tensor, ...]  # per depth d >= 2: [M_d] parent's position in beam d-1
+    cand_logp_index: torch.Tensor  # [M] index into top_logp.view(R, L*K): (depth - 1) * K + rank
+    cand_parent_member: torch.Tensor  # [M] parent's member index in the merged list (root = 0, members from 1)
+    cand_depth: torch.Tensor  # [M] int32
+    member_cand_start: torch.Tensor  # [sum n_d] cand_starts of each member's depth
+    depth1_order: torch.Tensor  # [n_1] 0..n_1-1: depth 1 needs no sort
     num_nodes: int  # N = min(B, sum n_d)
-    first_child_parent: torch.Tensor  # [n_1] zeros: depth-1 members hang off the root (member 0)
 
 
 _PLANS: dict[tuple, _BuildPlan] = {}
@@ -84,26 +90,37 @@ def _build_plan(budget: int, k: int, depth: int, device: torch.device) -> _Build
     if plan is not None:
         return plan
     beam_sizes = [min(budget, k)]
-    parent_pos, ranks = [], []
+    per_depth_pairs = [[(0, r) for r in range(beam_sizes[0])]]
     for _ in range(2, depth + 1):
         prev = beam_sizes[-1]
+        # (p, r) is preceded by every (p' <= p, r' <= r): only (p + 1)(r + 1) <= B can make the beam.
         pairs = [(p, r) for p in range(prev) for r in range(min(k, budget // (p + 1)))]
-        parent_pos.append(torch.tensor([p for p, _ in pairs], dtype=torch.int64, device=device))
-        ranks.append(torch.tensor([r for _, r in pairs], dtype=torch.int64, device=device))
+        per_depth_pairs.append(pairs)
         beam_sizes.append(min(budget, prev * k, len(pairs)))
-    offsets, total = [], 1
+    member_starts = [1]
     for n in beam_sizes:
-        offsets.append(total)
-        total += n
-    member_depths = torch.cat([torch.full((n,), d + 1, dtype=torch.int32) for d, n in enumerate(beam_sizes)])
+        member_starts.append(member_starts[-1] + n)
+    cand_starts, logp_index, parent_member, cand_depth, member_cand_start = [], [], [], [], []
+    for d, pairs in enumerate(per_depth_pairs, start=1):
+        cand_starts.append(len(logp_index))
+        logp_index += [(d - 1) * k + r for _, r in pairs]
+        parent_member += [0 if d == 1 else member_starts[d - 2] + p for p, _ in pairs]
+        cand_depth += [d] * len(pairs)
+        member_cand_start += [cand_starts[-1]] * beam_sizes[d - 1]
+
+    def as_tensor(values, dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype, device=device)
+
     plan = _BuildPlan(
         beam_sizes=tuple(beam_sizes),
-        cand_parent_pos=tuple(parent_pos),
-        cand_rank=tuple(ranks),
-        member_offsets=tuple(offsets),
-        member_depths=member_depths.to(device),
-        num_nodes=min(budget, total - 1),
-        first_child_parent=torch.zeros(beam_sizes[0], dtype=torch.int64, device=device),
+        cand_starts=tuple(cand_starts),
+        cand_parent_pos=tuple(as_tensor([p for p, _ in pairs]) for pairs in per_depth_pairs[1:]),
+        cand_logp_index=as_tensor(logp_index),
+        cand_parent_member=as_tensor(parent_member),
+        cand_depth=as_tensor(cand_depth, torch.int32),
+        member_cand_start=as_tensor(member_cand_start),
+        depth1_order=as_tensor(list(range(beam_sizes[0]))),
+        num_nodes=min(budget, member_starts[-1] - 1),
     )
     _PLANS[key] = plan
     return plan
@@ -171,41 +188,39 @@ def build_tree_from_topk(
         raise ValueError(f"{rows} rows do not fit a TreeBatch of {out.token_ids.shape[0]}")
     plan = _build_plan(budget, k, depth, top_logp.device)
 
-    # Per-depth beams: scores, the parent's member index (root = 0), token ids. Sorted by the total order.
-    n1 = plan.beam_sizes[0]
-    beam_scores = top_logp[:, 0, :n1]
-    scores = [beam_scores]
-    parent_members = [plan.first_child_parent.expand(rows, -1)]
-    tokens = [top_ids[:, 0, :n1]]
+    # Per-depth beams, each sorted by the total order: scores, and which candidate each member is.
+    flat_logp = top_logp.reshape(rows, depth * k)
+    cand_logp = flat_logp.index_select(1, plan.cand_logp_index)  # every candidate's own log-prob, all depths
+    beam_scores = cand_logp[:, : plan.beam_sizes[0]]
+    scores, orders = [beam_scores], [plan.depth1_order.expand(rows, -1)]
     for d in range(1, depth):
-        cand_parent_pos, cand_rank = plan.cand_parent_pos[d - 1], plan.cand_rank[d - 1]
-        cand_scores = beam_scores[:, cand_parent_pos] + top_logp[:, d, cand_rank]
-        cand_scores, order = torch.sort(cand_scores, dim=-1, descending=True, stable=True)
-        order = order[:, : plan.beam_sizes[d]]
+        start = plan.cand_starts[d]
+        step_logp = cand_logp[:, start : start + plan.cand_parent_pos[d - 1].numel()]
+        cand_scores = beam_scores.index_select(1, plan.cand_parent_pos[d - 1]).add_(step_logp)
+        cand_scores, order = torch.sort(cand_scores, dim=1, descending=True, stable=True)
         beam_scores = cand_scores[:, : plan.beam_sizes[d]]
         scores.append(beam_scores)
-        parent_members.append(cand_parent_pos[order] + plan.member_offsets[d - 1])
-        tokens.append(torch.gather(top_ids[:, d], 1, cand_rank[order]))
+        orders.append(order[:, : plan.beam_sizes[d]])
+    member_cand = torch.cat(orders, dim=1).add_(plan.member_cand_start)  # [R, sum n_d] flat candidate index
 
-    # Merge: stable sort of (depth, beam position)-ordered members by score = pop order.
+    # Merge: stable sort of the (depth, beam position)-ordered members by score = the heap's pop order.
     num_nodes = plan.num_nodes
     _, merged_order = torch.sort(torch.cat(scores, dim=1), dim=1, descending=True, stable=True)
-    selected = merged_order[:, :num_nodes]  # 0-based member index (member index - 1)
-    node_ids = torch.arange(1, num_nodes + 1, device=top_logp.device).expand(rows, -1)
-    num_members = plan.member_depths.numel()
-    node_of_member = torch.zeros(rows, 1 + num_members, dtype=torch.int64, device=top_logp.device)
-    node_of_member.scatter_(1, selected + 1, node_ids)
-    parent_member = torch.gather(torch.cat(parent_members, dim=1), 1, selected)
-    parents = torch.gather(node_of_member, 1, parent_member)
+    selected = merged_order[:, :num_nodes]  # member index - 1, in pop order
+    selected_cand = torch.gather(member_cand, 1, selected)
+    node_of_member = torch.zeros(rows, 1 + member_cand.shape[1], dtype=torch.int64, device=top_logp.device)
+    node_of_member.scatter_(1, selected + 1, torch.arange(1, num_nodes + 1, device=top_logp.device).expand(rows, -1))
+    parents = torch.gather(node_of_member, 1, plan.cand_parent_member[selected_cand])
+    tokens = torch.gather(top_ids.reshape(rows, depth * k), 1, plan.cand_logp_index[selected_cand])
 
     out.token_ids[:rows, 0] = root_token_ids
-    out.token_ids[:rows, 1 : num_nodes + 1] = torch.gather(torch.cat(tokens, dim=1), 1, selected)
+    out.token_ids[:rows, 1 : num_nodes + 1] = tokens
     out.token_ids[:rows, num_nodes + 1 :] = 0
     out.parents[:rows, 0] = -1
     out.parents[:rows, 1 : num_nodes + 1] = parents
     out.parents[:rows, num_nodes + 1 :] = -1
     out.depths[:rows, 0] = 0
-    out.depths[:rows, 1 : num_nodes + 1] = plan.member_depths[selected]
+    out.depths[:rows, 1 : num_nodes + 1] = plan.cand_depth[selected_cand]
     out.depths[:rows, num_nodes + 1 :] = -1
     out.num_nodes[:rows] = num_nodes
     bits = ancestor_bits_from_parents(out.parents[:rows], min(depth, num_nodes))

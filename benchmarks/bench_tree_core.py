@@ -1,0 +1,322 @@
+"""Micro-benchmarks of the DDTree tree core, one registry entry per operation (build, walk, ...).
+
+Each benchmark is a setup function registered under a name: given a Case it allocates every input once and
+returns a zero-argument ``step`` that runs the operation on preallocated buffers (what a CUDA graph would
+replay). The harness times ``step`` with CUDA events (median of --iters), eagerly and, with --graph, as a
+captured CUDA graph replay, and checks that one eager step makes no host sync (torch.cuda sync debug mode).
+Add an operation by writing ``@register("name") def setup_name(case): ...; return step``.
+
+    python benchmarks/bench_tree_core.py --what build,walk --out out/tree_core.json --graph --verify
+    python benchmarks/bench_tree_core.py --device cpu            # smoke check with tiny sizes
+
+On CPU the sizes shrink to a smoke check and wall-clock timing is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_ddtree.tree.build import build_tree, per_depth_topk  # noqa: E402
+from vllm_ddtree.tree.layout import TreeBatch  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    budget: int
+    depth: int
+    vocab: int
+    device: str
+    dtype: torch.dtype
+
+
+Step = Callable[[], None]
+BENCHMARKS: dict[str, Callable[[Case], Step]] = {}
+VERIFIERS: dict[str, Callable[[Case], str]] = {}
+
+
+def register(name: str, verify: Callable[[Case], str] | None = None):
+    """Add a benchmark: ``setup(case) -> step``; optional ``verify(case) -> 'ok' | message`` for --verify."""
+
+    def wrap(setup: Callable[[Case], Step]) -> Callable[[Case], Step]:
+        BENCHMARKS[name] = setup
+        if verify is not None:
+            VERIFIERS[name] = verify
+        return setup
+
+    return wrap
+
+
+def _draft_logits(case: Case, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device=case.device).manual_seed(seed)
+    logits = torch.randn(case.batch, case.depth, case.vocab, generator=gen, device=case.device) * 4
+    return logits.to(case.dtype)
+
+
+def _built_tree(case: Case) -> TreeBatch:
+    tree = TreeBatch.allocate(case.batch, case.budget, case.device)
+    build_tree(_draft_logits(case), case.budget, tree, torch.zeros(case.batch, dtype=torch.int64, device=case.device))
+    return tree
+
+
+def _target_logits(case: Case, tree: TreeBatch, follow: bool = True) -> torch.Tensor:
+    """Target logits [R, B+1, V] whose argmax mostly follows the tree (long accepted paths, realistic work)."""
+    gen = torch.Generator(device=case.device).manual_seed(1)
+    logits = torch.randn(case.batch, case.budget + 1, case.vocab, generator=gen, device=case.device).to(case.dtype)
+    if follow:
+        # Node i's argmax := the token of its first child, when it has one (the last-written child wins).
+        child_tokens = torch.zeros(case.batch, case.budget + 1, dtype=torch.int64, device=case.device)
+        parents = tree.parents.to(torch.int64)
+        idx = torch.where(parents >= 0, parents, case.budget + 1)
+        scratch = torch.zeros(case.batch, case.budget + 2, dtype=torch.int64, device=case.device)
+        scratch.scatter_(1, idx.flip(1), tree.token_ids.flip(1))
+        child_tokens.copy_(scratch[:, : case.budget + 1])
+        logits.scatter_(-1, child_tokens[..., None], 30.0)
+    return logits
+
+
+# --- build --------------------------------------------------------------------------------------------------
+
+
+def _verify_build(case: Case) -> str:
+    from vllm_ddtree.tree.reference import ancestor_sets_from_bits, heap_tree
+
+    logits = _draft_logits(case, seed=3)
+    tree = TreeBatch.allocate(case.batch, case.budget, case.device)
+    build_tree(logits, case.budget, tree, torch.zeros(case.batch, dtype=torch.int64, device=case.device))
+    top_logp, top_ids = per_depth_topk(logits, min(case.budget, case.vocab))
+    for r in sorted({0, case.batch - 1}):
+        ref = heap_tree(top_logp[r].tolist(), top_ids[r].tolist(), case.budget)
+        n = ref.num_nodes
+        if tree.token_ids[r, 1 : n + 1].tolist() != ref.tokens[1:] or tree.parents[r, : n + 1].tolist() != ref.parents:
+            return f"row {r}: tree differs from the heap reference"
+        if ancestor_sets_from_bits(tree.ancestor_bits[r, : n + 1].tolist()) != ref.ancestors:
+            return f"row {r}: ancestor bits differ"
+    return "ok"
+
+
+@register("build", verify=_verify_build)
+def setup_build(case: Case) -> Step:
+    """Per-depth log_softmax + top-k over the full vocabulary, beam build, TreeBatch fill."""
+    logits = _draft_logits(case)
+    tree = TreeBatch.allocate(case.batch, case.budget, case.device)
+    roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
+    return lambda: build_tree(logits, case.budget, tree, roots)
+
+
+@register("build_topk")
+def setup_build_topk(case: Case) -> Step:
+    """Just the vocabulary-wide part of the build (log_softmax + top-k + tie ordering), for attribution."""
+    logits = _draft_logits(case)
+    k = min(case.budget, case.vocab)
+    return lambda: per_depth_topk(logits, k)
+
+
+# --- walk ---------------------------------------------------------------------------------------------------
+
+
+def _verify_walk(case: Case) -> str:
+    from vllm_ddtree.sampler import tree_sample
+    from vllm_ddtree.tree.reference import walk_tree_greedy_reference
+
+    tree = _built_tree(case)
+    logits = _target_logits(case, tree)
+    out = tree_sample(logits, tree, case.depth, all_greedy=True)
+    post = logits.argmax(-1)
+    for r in sorted({0, case.batch - 1}):
+        accepted, bonus = walk_tree_greedy_reference(
+            tree.token_ids[r].tolist(), tree.parents[r].tolist(), int(tree.num_nodes[r]), post[r].tolist(), case.depth
+        )
+        if out.accepted_node_ids[r, : len(accepted)].tolist() != accepted:
+            return f"row {r}: accepted path differs from the reference walk"
+        if int(out.output_token_ids[r, len(accepted) - 1]) != bonus:
+            return f"row {r}: bonus differs"
+    return "ok"
+
+
+@register("walk", verify=_verify_walk)
+def setup_walk(case: Case) -> Step:
+    """Greedy verify: argmax over [R, B+1, V] target logits, then the tree walk into preallocated outputs."""
+    from vllm_ddtree.sampler import TreeWalkOutput, tree_sample
+
+    tree = _built_tree(case)
+    logits = _target_logits(case, tree)
+    out = TreeWalkOutput.allocate(case.batch, case.depth, case.device)
+    return lambda: tree_sample(logits, tree, case.depth, all_greedy=True, out=out)
+
+
+@register("walk_core")
+def setup_walk_core(case: Case) -> Step:
+    """The walk alone, from per-node tokens (excludes the vocabulary-wide argmax)."""
+    from vllm_ddtree.sampler import TreeWalkOutput, walk_tree
+
+    tree = _built_tree(case)
+    node_tokens = _target_logits(case, tree).argmax(-1)
+    out = TreeWalkOutput.allocate(case.batch, case.depth, case.device)
+    return lambda: walk_tree(node_tokens, tree, case.depth, out)
+
+
+@register("walk_sampled")
+def setup_walk_sampled(case: Case) -> Step:
+    """T=0.8 + top-p 0.95 at every node (vLLM's top-k/top-p and sampling functions), then the walk."""
+    from vllm_ddtree.sampler import TreeWalkOutput, tree_sample
+
+    tree = _built_tree(case)
+    logits = _target_logits(case, tree)
+    out = TreeWalkOutput.allocate(case.batch, case.depth, case.device)
+    temperature = torch.full((case.batch,), 0.8, device=case.device)
+    top_p = torch.full((case.batch,), 0.95, device=case.device)
+    return lambda: tree_sample(logits, tree, case.depth, all_greedy=False, all_random=True,
+                               temperature=temperature, top_p=top_p, out=out)
+
+
+# --- harness ------------------------------------------------------------------------------------------------
+
+
+def _time_eager(step: Step, device: str, iters: int) -> list[float]:
+    """Per-call microseconds."""
+    times = []
+    if device.startswith("cuda"):
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def _time_graph(step: Step, iters: int) -> list[float]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return _time_eager(graph.replay, "cuda", iters)
+
+
+def _sync_free(step: Step) -> bool:
+    """True when one eager step makes no host synchronisation (CUDA only)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def run_case(name: str, case: Case, args) -> dict:
+    row = {"bench": name, **{k: v for k, v in asdict(case).items() if k != "dtype"}, "dtype": str(case.dtype)}
+    try:
+        step = BENCHMARKS[name](case)
+        for _ in range(args.warmup):
+            step()
+        if case.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            row["sync_free"] = _sync_free(step)
+        times = _time_eager(step, case.device, args.iters)
+        row["eager_median_us"] = statistics.median(times)
+        row["eager_p90_us"] = sorted(times)[int(0.9 * (len(times) - 1))]
+        if args.graph and case.device.startswith("cuda"):
+            try:
+                row["graph_median_us"] = statistics.median(_time_graph(step, args.iters))
+            except Exception as exc:  # report, keep going: capture failure is itself a finding
+                row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if args.verify and name in VERIFIERS:
+            row["verify"] = VERIFIERS[name](case)
+    except ImportError as exc:
+        row["skipped"] = f"ImportError: {exc}"[:200]
+    except torch.OutOfMemoryError:
+        row["skipped"] = "out of memory"
+    if case.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["bench", "batch", "budget", "depth", "vocab", "eager_median_us", "graph_median_us", "sync_free", "verify"]
+    print(" | ".join(f"{c:>15}" for c in cols))
+    for row in rows:
+        cells = []
+        for c in cols:
+            v = row.get(c, row.get("skipped", row.get("graph_error", "")) if c == "verify" else "")
+            cells.append(f"{v:>15.1f}" if isinstance(v, float) else f"{str(v)[:15]:>15}")
+        print(" | ".join(cells))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--what", default="build,walk", help=f"comma list of {sorted(BENCHMARKS)} or 'all'")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--batches", default=None, help="comma list (default 1,8,32,64 on GPU, 1,4 on CPU)")
+    parser.add_argument("--budgets", default=None, help="comma list (default 16,64,128 on GPU, 16,64 on CPU)")
+    parser.add_argument("--depth", type=int, default=15)
+    parser.add_argument("--vocab", type=int, default=None, help="default 151936 on GPU (Qwen3), 2048 on CPU")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--graph", action="store_true", help="also time CUDA-graph replays")
+    parser.add_argument("--verify", action="store_true", help="check results against the Python references")
+    parser.add_argument("--out", default=None, help="write JSON results here")
+    args = parser.parse_args(argv)
+
+    on_gpu = args.device.startswith("cuda")
+    names = sorted(BENCHMARKS) if args.what == "all" else args.what.split(",")
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmarks {unknown}; known: {sorted(BENCHMARKS)}")
+    batches = [int(x) for x in (args.batches or ("1,8,32,64" if on_gpu else "1,4")).split(",")]
+    budgets = [int(x) for x in (args.budgets or ("16,64,128" if on_gpu else "16,64")).split(",")]
+    vocab = args.vocab or (151936 if on_gpu else 2048)
+    args.iters = args.iters or (50 if on_gpu else 5)
+    dtype = getattr(torch, args.dtype)
+
+    rows = []
+    for name in names:
+        for batch in batches:
+            for budget in budgets:
+                case = Case(batch, budget, args.depth, vocab, args.device, dtype)
+                rows.append(run_case(name, case, args))
+                print(json.dumps(rows[-1]), flush=True)
+    print_table(rows)
+    if args.out:
+        env = {
+            "torch": torch.__version__,
+            "device_name": torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu",
+            "argv": sys.argv[1:] if argv is None else argv,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"env": env, "results": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -182,6 +182,100 @@ def setup_walk_sampled(case: Case) -> Step:
                                temperature=temperature, top_p=top_p, out=out)
 
 
+# --- tree attention / KV compaction (vllm_ddtree.attention, vllm_ddtree.kv_compact) ------------------------
+# Target-shaped inputs: Hq 32 / Hkv 8 / D 128 (Llama-3-8B, Qwen3-8B), block 16, committed prefix ATTN_CTX tokens
+# (64 on CPU), trees from the real build. GPU: the Triton kernels; CPU: the PyTorch paths the CPU engine runs.
+
+ATTN_CTX, ATTN_HQ, ATTN_HKV, ATTN_D, ATTN_BS, COMPACT_LAYERS = 2048, 32, 8, 128, 16, 36
+
+
+def _attn_inputs(case: Case) -> dict:
+    on_gpu = case.device.startswith("cuda")
+    ctx, n = (ATTN_CTX if on_gpu else 64), case.budget + 1
+    gen = torch.Generator(device=case.device).manual_seed(7)
+    blocks_per_req = (ctx + n + ATTN_BS - 1) // ATTN_BS
+    num_blocks = case.batch * blocks_per_req + 1
+    kv = torch.randn(num_blocks, ATTN_BS, ATTN_HKV, 2 * ATTN_D, generator=gen, device=case.device).to(case.dtype)
+    kv = kv.permute(0, 2, 1, 3)  # TRITON_ATTN's logical [nb, Hkv, bs, 2D] over NHD memory
+    perm = torch.randperm(num_blocks, generator=gen, device=case.device)[: case.batch * blocks_per_req]
+    q = torch.randn(case.batch * n, ATTN_HQ, ATTN_D, generator=gen, device=case.device).to(case.dtype)
+    return dict(
+        q=q, kv=kv, k=kv.transpose(1, 2)[..., :ATTN_D], v=kv.transpose(1, 2)[..., ATTN_D:],
+        block_table=perm.view(case.batch, blocks_per_req).int(),
+        qsl=torch.arange(0, case.batch * n + 1, n, dtype=torch.int32, device=case.device),
+        seq_lens=torch.full((case.batch,), ctx + n, dtype=torch.int32, device=case.device),
+        bits=_built_tree(case).ancestor_bits, ctx=ctx, out=torch.empty_like(q),
+    )
+
+
+def _run_attention(x: dict, device: str) -> torch.Tensor:
+    args = (x["q"], x["k"], x["v"], x["out"], x["qsl"], x["seq_lens"], x["block_table"], x["bits"], ATTN_D**-0.5)
+    if device.startswith("cuda"):
+        from vllm_ddtree.attention.triton_tree import tree_attention
+
+        return tree_attention(*args)
+    from vllm_ddtree.attention.torch_tree import tree_attention_torch
+
+    return tree_attention_torch(*args)
+
+
+def _verify_attention(case: Case) -> str:
+    from vllm_ddtree.attention.torch_tree import tree_attention_torch
+
+    x = _attn_inputs(case)
+    got = _run_attention(x, case.device).float().clone()
+    ref = torch.empty_like(x["q"])
+    tree_attention_torch(x["q"], x["k"], x["v"], ref, x["qsl"], x["seq_lens"], x["block_table"], x["bits"],
+                         ATTN_D**-0.5)
+    err = ((got - ref.float()).norm() / ref.float().norm()).item()
+    return "ok" if err < 2e-2 else f"relative error {err:.2e} vs the PyTorch path"
+
+
+@register("attention", verify=_verify_attention)
+def setup_attention(case: Case) -> Step:
+    """Tree-masked paged attention for one layer: batch x (B+1) queries over ATTN_CTX-token prefixes."""
+    x = _attn_inputs(case)
+    return lambda: _run_attention(x, case.device)
+
+
+def _compact_inputs(case: Case) -> tuple:
+    """COMPACT_LAYERS packed K|V layer caches and accepted paths of length ~depth/2 (every node moves)."""
+    x = _attn_inputs(case)
+    layers = [torch.empty_like(x["kv"]).normal_().transpose(1, 2) for _ in range(COMPACT_LAYERS)]
+    width = case.depth + 1
+    m = min(case.depth // 2, case.budget)
+    acc = torch.full((case.batch, width), -1, dtype=torch.int32, device=case.device)
+    acc[:, : m + 1] = torch.arange(m + 1, dtype=torch.int32, device=case.device) * case.budget // max(m, 1)
+    acc[:, 1 : m + 1] = torch.maximum(acc[:, 1 : m + 1], torch.arange(1, m + 1, device=case.device).int())
+    ctx = torch.full((case.batch,), x["ctx"], dtype=torch.int32, device=case.device)
+    return layers, x["block_table"], ctx, acc
+
+
+def _verify_kv_compact(case: Case) -> str:
+    from vllm_ddtree.kv_compact import KVCompactor, kv_compact_torch
+
+    layers, bt, ctx, acc = _compact_inputs(case)
+    ref = [v.clone() for v in layers]
+    kv_compact_torch(ref, bt, ctx, acc)
+    if case.device.startswith("cuda"):
+        KVCompactor(layers)(bt, ctx, acc)
+    else:
+        kv_compact_torch(layers, bt, ctx, acc)
+    return "ok" if all(torch.equal(a, b) for a, b in zip(layers, ref)) else "differs from kv_compact_torch"
+
+
+@register("kv_compact", verify=_verify_kv_compact)
+def setup_kv_compact(case: Case) -> Step:
+    """Move the accepted nodes' K/V onto the path slots in all COMPACT_LAYERS layers (one launch on GPU)."""
+    from vllm_ddtree.kv_compact import KVCompactor, kv_compact_torch
+
+    layers, bt, ctx, acc = _compact_inputs(case)
+    if case.device.startswith("cuda"):
+        compactor = KVCompactor(layers)
+        return lambda: compactor(bt, ctx, acc)
+    return lambda: kv_compact_torch(layers, bt, ctx, acc)
+
+
 # --- harness ------------------------------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ nodes' K/V move to the path slots s+1..s+m so the next step sees a plain chain.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +28,30 @@ if TYPE_CHECKING:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 
+# Set to 1 to compare every step's accepted paths across tensor-parallel ranks (one small all-gather and a host
+# sync per step): each rank compacts its own KV shard, so ranks that disagree would silently diverge.
+CHECK_RANKS_ENV = "VLLM_DDTREE_CHECK_RANKS"
+
+
+def check_ranks_agree(accepted: torch.Tensor) -> None:
+    """Raise if the tensor-parallel ranks walked their trees to different accepted paths."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return
+    # Node ids are small integers, exact in float32 (some backends, e.g. the CPU's shared-memory all-gather,
+    # gather floating-point tensors only).
+    paths = accepted.flatten().to(torch.float32)
+    gathered = group.all_gather(paths, dim=0).view(group.world_size, -1)
+    checksums = gathered.sum(dim=1)
+    if not bool((gathered == gathered[0]).all()):
+        raise RuntimeError(
+            f"ddtree: tensor-parallel ranks accepted different tree paths (checksums {checksums.tolist()}); "
+            "their KV caches would diverge"
+        )
+
+
 class TreeVerifier:
     """Per-worker verify state; ``runner`` is vLLM's GPUModelRunner (or its CPU subclass)."""
 
@@ -39,6 +64,7 @@ class TreeVerifier:
         self.walk = TreeWalkOutput.allocate(max_reqs, depth, device)
         self.node_tokens = torch.zeros(max_reqs, budget + 1, dtype=torch.int64, device=device)
         self._compact = None  # built on first use: the KV caches exist only after vLLM allocated them
+        self.check_ranks = os.environ.get(CHECK_RANKS_ENV, "0") == "1"
         self.last_step: verify_step.VerifyStep | None = None  # the walked step, for the drafter's linearisation
 
     # ------------------------------------------------------------------ before the target forward
@@ -109,6 +135,8 @@ class TreeVerifier:
         node_tokens.zero_()
         node_tokens[step.row_request, step.row_node] = row_tokens
         walk = walk_tree(node_tokens, self.trees, self.depth, self.walk)
+        if self.check_ranks:
+            check_ranks_agree(walk.accepted_node_ids[:num_reqs])
         self._compact_kv(step, walk)
         verify_step.end()
         self.last_step = step

@@ -2,11 +2,12 @@
 
     python tests/engine/engine_run.py '{"spec": null | {...}, "prompts": [...], "max_tokens": 32, ...}'
 
-The engine runs in this process (no engine-core or worker subprocesses), so ``"oracle"`` can replace the ddtree
-drafter's logits with an oracle that knows the no-spec continuation: it puts the right token first, second or
-nowhere at each depth with the given probabilities. A random-weight drafter accepts nothing, so without the
-oracle a verify step would never accept a node and the tree paths (walk, compaction, linearisation, depth
-positions) would go untested.
+The engine runs in this process unless tensor parallel asks for worker processes. ``"oracle"`` replaces the ddtree
+drafter's logits, in every process (oracle_site/sitecustomize.py), with an oracle that knows the no-spec
+continuation: it puts the right token first, second or nowhere at each depth with the given probabilities. A
+random-weight drafter accepts nothing, so without the oracle a verify step would never accept a node and the tree
+paths (walk, compaction, linearisation, depth positions) would go untested. Runs check that tensor-parallel ranks
+accept the same paths (VLLM_DDTREE_CHECK_RANKS=1).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,8 +39,23 @@ PROMPTS = [
 
 
 def run_engine(**args) -> dict:
-    """Run this script in a fresh process with ``args`` and return its JSON result."""
-    proc = subprocess.run([sys.executable, str(RUNNER), json.dumps(args)], capture_output=True, text=True, timeout=900)
+    """Run this script in a fresh process with ``args`` and return its JSON result.
+
+    ``oracle`` travels through oracle_site/sitecustomize.py, so every process of the engine (TP workers too)
+    drafts from it."""
+    env = {**os.environ, "VLLM_DDTREE_CHECK_RANKS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    oracle = args.pop("oracle", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        if oracle:
+            oracle_file = Path(tmp) / "oracle.json"
+            oracle_file.write_text(json.dumps(oracle))
+            site = str(RUNNER.parent / "oracle_site")
+            env["PYTHONPATH"] = os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+            env["VLLM_DDTREE_TEST_ORACLE"] = str(oracle_file)
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), json.dumps(args)], capture_output=True, text=True, timeout=900, env=env
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -105,12 +122,11 @@ def abort_run(llm, prompts, params, steps: int) -> dict:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    tensor_parallel = args.get("tensor_parallel_size", 1)
+    if tensor_parallel > 1:  # one worker process per rank, one core each
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel))
     from vllm import LLM, SamplingParams
-
-    if args.get("oracle"):
-        o = args["oracle"]
-        reference = {tuple(p): c for p, c in zip(o["prompt_token_ids"], o["continuations"])}
-        install_oracle(reference, o.get("p_first", 0.6), o.get("p_second", 0.25), o.get("seed", 0))
 
     llm = LLM(
         model=args["model"],
@@ -121,7 +137,8 @@ def main() -> None:
         max_num_seqs=args.get("max_num_seqs", 8),
         max_num_batched_tokens=args.get("max_num_batched_tokens", 1024),
         enforce_eager=True,
-        distributed_executor_backend="uni",
+        tensor_parallel_size=tensor_parallel,
+        distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
         seed=0,
         disable_log_stats=False,
         num_gpu_blocks_override=args.get("num_gpu_blocks"),

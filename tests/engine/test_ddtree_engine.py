@@ -108,3 +108,20 @@ def test_aborted_requests_free_their_blocks(tiny_llama_dir, tiny_llama_dflash_di
     assert sorted(finished) == [f"req-{i}" for i in range(1, len(prompt_ids), 2)]
     for rid, tokens in finished.items():
         assert tokens == reference[int(rid.split("-")[1])]
+
+
+def test_tensor_parallel_2_equals_tp1_and_no_spec(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
+    """Two ranks (one process and one core each) build, walk and compact identically: every step's accepted paths
+    are compared across ranks (VLLM_DDTREE_CHECK_RANKS), and the output equals single-rank no-spec."""
+    result = run_engine(
+        model=str(tiny_llama_dir),
+        prompt_token_ids=prompt_ids[:4],
+        max_tokens=48,
+        ignore_eos=True,
+        tensor_parallel_size=2,
+        spec=ddtree_spec(tiny_llama_dflash_dir, 16),
+        oracle={"prompt_token_ids": prompt_ids, "continuations": reference},
+    )
+    assert result["token_ids"] == reference[:4]
+    stats = result["spec_decode"]
+    assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2

@@ -59,7 +59,7 @@ def make_batch(ctx_lens, ms, width, budget, bs, gen, extra_blocks=3):
     return num_blocks, bt, torch.tensor(ctx_lens, dtype=torch.int32), acc
 
 
-def check_all(views, bt, ctx, acc, groups=None):
+def check_all(views, bt, ctx, acc, groups=None, rows_per_group=1):
     ref = [v.clone() for v in views]
     seq = [v.clone() for v in views]
     kv_compact_torch(ref, bt, ctx, acc)
@@ -67,7 +67,7 @@ def check_all(views, bt, ctx, acc, groups=None):
     for a, b in zip(ref, seq):
         assert torch.equal(a, b)
     for group in groups or [views]:  # one launch per group of identically strided views
-        KVCompactor(group)(bt, ctx, acc)
+        KVCompactor(group, rows_per_group=rows_per_group)(bt, ctx, acc)
     for a, b in zip(views, ref):
         assert torch.equal(a, b)  # bit-exact, and every other slot untouched
 
@@ -181,8 +181,9 @@ def test_aliased_layers_moved_once():
     assert torch.equal(views[0], ref[0])
 
 
-def test_long_paths_span_several_row_groups():
-    """m + 1 > 16: the kernel moves rows in groups of 16; overlaps cross group boundaries (acc[k] = k + 1)."""
+@pytest.mark.parametrize("rows_per_group", [1, 4, 16])
+def test_long_paths_span_several_row_groups(rows_per_group):
+    """m + 1 > 16 with rows moved one at a time or in groups; overlaps cross group boundaries (acc[k] = k + 1)."""
     gen = torch.Generator().manual_seed(6)
     bs = 16
     nb, bt, ctx, _ = make_batch([5, 30, 0], [0, 0, 0], 41, 60, bs, gen)
@@ -192,4 +193,4 @@ def test_long_paths_span_several_row_groups():
     acc[1, :17] = torch.tensor(random_accepted(17, 16, gen, 60)[:17])  # m + 1 = 17: one row into group 2
     acc[2, :16] = torch.tensor(random_accepted(16, 15, gen, 60)[:16])  # m + 1 = 16: exactly one group
     _, views = make_layers(2, nb, bs, 2, 16, torch.float32, gen)
-    check_all(views, bt, ctx, acc)
+    check_all(views, bt, ctx, acc, rows_per_group=rows_per_group)

@@ -14,12 +14,13 @@ __all__ = [
     "tree_attention_torch",
     "triton_attn_kv_views",
     "split_workspace",
+    "auto_kv_splits",
 ]
 
 
 def __getattr__(name):
     # Triton is imported lazily so the CPU path works where triton is absent or broken.
-    if name in ("tree_attention", "split_workspace"):
+    if name in ("tree_attention", "split_workspace", "auto_kv_splits"):
         from vllm_ddtree.attention import triton_tree
 
         return getattr(triton_tree, name)

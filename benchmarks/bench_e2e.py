@@ -36,6 +36,8 @@ DEFAULT_PROMPTS = [
 def worker(args: dict) -> dict:
     """Run one configuration in this process and return its measurements."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args["in_process"]:  # CPU: one process instead of three vLLM imports (the GPU keeps vLLM's default)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -45,7 +47,10 @@ def worker(args: dict) -> dict:
         max_model_len=args["max_model_len"],
         max_num_seqs=max(args["batch_sizes"]),
         enforce_eager=args["eager"],
-        gpu_memory_utilization=args["gpu_memory_utilization"],
+        # On CPU gpu_memory_utilization budgets the worker's whole memory; an explicit KV size is what works there.
+        gpu_memory_utilization=args["gpu_memory_utilization"] or 0.9,
+        kv_cache_memory_bytes=None if args["gpu_memory_utilization"] else 512 << 20,
+        distributed_executor_backend="uni" if args["in_process"] else None,
         disable_log_stats=False,
         seed=0,
     )
@@ -92,14 +97,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model")
     parser.add_argument("--drafter")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--chain-tokens", type=int, default=None, help="DFlash chain drafts (default: block - 1)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--eager", action="store_true")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 on GPU; on CPU a "
+                        "fixed 512 MiB KV cache")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -120,7 +126,8 @@ def main() -> None:
     base = {
         "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"), "prompts": DEFAULT_PROMPTS,
         "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "batch_sizes": args.batch_sizes,
-        "eager": args.eager, "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else 0.1),
+        "eager": args.eager, "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
+        "in_process": not on_gpu,
     }
     results = {}
     for name, spec in configs:
@@ -160,6 +167,9 @@ def main() -> None:
         meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
                 "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager}
         Path(args.out).write_text(json.dumps({"meta": meta, "table": table}, indent=2))
+    failed = [name for name, res in results.items() if res is None]
+    if failed:
+        sys.exit(f"failed configurations: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

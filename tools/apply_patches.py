@@ -114,7 +114,10 @@ def apply_hunks(text: str, fp: FilePatch, reverse: bool = False) -> str:
     out: list[str] = []
     cursor = 0  # index into `lines`
     for h in fp.hunks:
-        old, new, start = (h.new_lines, h.old_lines, h.new_start) if reverse else (h.old_lines, h.new_lines, h.old_start)
+        if reverse:
+            old, new, start = h.new_lines, h.old_lines, h.new_start
+        else:
+            old, new, start = h.old_lines, h.new_lines, h.old_start
         pos = start - 1 if old else start  # unified diff numbers an empty side by the line before it
         if pos < cursor or lines[pos : pos + len(old)] != old:
             raise PatchError(f"{fp.source}: hunk at line {start} of {fp.path} does not match")
@@ -254,7 +257,9 @@ def write_atomically(root: Path, new_contents: dict[str, bytes]) -> None:
     except OSError as e:
         for path in written:
             _replace_file(root / path, originals[path])
-        raise PatchError(f"writing {root / path} failed ({e}); restored the {len(written)} file(s) already written") from e
+        raise PatchError(
+            f"writing {root / path} failed ({e}); restored the {len(written)} file(s) already written"
+        ) from e
 
 
 def _replace_file(target: Path, data: bytes) -> None:

@@ -530,7 +530,8 @@ def tiny_target_dir(arch: str = "llama", *, seed: int = 0, cache: str | os.PathL
     """A random-weight tiny target (``arch`` = "llama" or "qwen3"), deterministic from ``seed``.
 
     Defaults (``TINY_DEFAULTS``): 8 layers, hidden 256, 4 q / 2 kv heads, head_dim 64, intermediate 512,
-    untied lm_head, N(0, std) init (see ``TINY_DEFAULTS``), bf16 safetensors; tokenizer and vocab (49152) from SmolLM2. ``overrides``
+    untied lm_head, N(0, std) init (see ``TINY_DEFAULTS``), bf16 safetensors; tokenizer and vocab (49152) from
+    SmolLM2. ``overrides``
     change any ``TINY_DEFAULTS`` key (the directory name records non-defaults)."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")

@@ -27,10 +27,14 @@ from vllm_ddtree.verifier import TreeRejectionSampler, TreeVerifier
 
 
 def _select_tree_attention_backend(vllm_config: VllmConfig) -> None:
-    """On GPU the target must run on TRITON_ATTN, the backend our tree kernel extends (CPU has only CPU_ATTN)."""
+    """On GPU the target must run on TRITON_ATTN, the backend our tree kernel extends (CPU has only CPU_ATTN);
+    the tree kernels read K/V in the model's dtype, so a quantized KV cache is refused."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    kv_dtype = vllm_config.cache_config.cache_dtype
+    if kv_dtype != "auto":
+        raise ValueError(f"ddtree does not support a quantized KV cache yet (--kv-cache-dtype {kv_dtype}); drop it")
     if not current_platform.is_cuda_alike():
         return
     attention = vllm_config.attention_config
@@ -58,6 +62,18 @@ class DDTreeProposer(DFlashProposer):
         # Before the target model is built: its attention layers then pick the tree-aware backend subclasses.
         _select_tree_attention_backend(vllm_config)
         tree_backends.install()
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        if self.vllm_config.model_config.is_hybrid:
+            raise NotImplementedError("ddtree does not support hybrid (Mamba / GatedDeltaNet) targets yet")
+        from vllm.model_executor.layers.attention import Attention
+
+        draft_layers = set(self._draft_attn_layer_names)
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        tree_backends.check_target_layers(
+            {n: m for n, m in forward_context.items() if isinstance(m, Attention) and n not in draft_layers}
+        )
 
     def make_tree_sampler(self, sampler) -> TreeRejectionSampler:
         fallback = RejectionSampler(sampler, self.speculative_config, self.device)

@@ -38,7 +38,7 @@ class TreeWalkOutput:
     num_accepted: torch.Tensor  # [R] int32: accepted draft tokens, bonus excluded
 
     @classmethod
-    def allocate(cls, max_reqs: int, max_depth: int, device: torch.device | str) -> "TreeWalkOutput":
+    def allocate(cls, max_reqs: int, max_depth: int, device: torch.device | str) -> TreeWalkOutput:
         return cls(
             output_token_ids=torch.full((max_reqs, max_depth + 1), -1, dtype=torch.int32, device=device),
             accepted_node_ids=torch.full((max_reqs, max_depth + 1), -1, dtype=torch.int32, device=device),

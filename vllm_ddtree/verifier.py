@@ -71,7 +71,7 @@ class TreeVerifier:
 
     def prepare(
         self,
-        spec_decode_metadata: "SpecDecodeMetadata",
+        spec_decode_metadata: SpecDecodeMetadata,
         num_draft_tokens: np.ndarray,
         cu_num_tokens: np.ndarray,
         draft_trees: TreeBatch,
@@ -122,9 +122,9 @@ class TreeVerifier:
 
     def sample(
         self,
-        spec_decode_metadata: "SpecDecodeMetadata",
+        spec_decode_metadata: SpecDecodeMetadata,
         logits: torch.Tensor,
-        sampling_metadata: "SamplingMetadata",
+        sampling_metadata: SamplingMetadata,
     ) -> torch.Tensor:
         """Walk every tree; returns vLLM's ``[num_reqs, 1 + max drafts]`` token output (accepted, bonus, -1)."""
         step = verify_step.current()
@@ -148,7 +148,7 @@ class TreeVerifier:
         return out
 
     def _sample_rows(
-        self, logits: torch.Tensor, step: verify_step.VerifyStep, sampling_metadata: "SamplingMetadata"
+        self, logits: torch.Tensor, step: verify_step.VerifyStep, sampling_metadata: SamplingMetadata
     ) -> torch.Tensor:
         """One token per logits row with its request's sampling parameters (vLLM's semantics, sampler.py).
 

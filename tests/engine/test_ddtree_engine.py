@@ -11,11 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from engine_run import run_engine
+
 
 def ddtree_spec(drafter: Path, budget: int) -> dict:
     return {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": budget}
+
+
+def test_dflash_chain_greedy_equals_no_spec(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
+    """The harness itself: vLLM's own DFlash chain with our random drafter is lossless here too."""
+    spec = {"method": "dflash", "model": str(tiny_llama_dflash_dir), "num_speculative_tokens": 7}
+    result = run_engine(
+        model=str(tiny_llama_dir), prompt_token_ids=prompt_ids, max_tokens=48, ignore_eos=True, spec=spec
+    )
+    assert result["token_ids"] == reference
+    assert result["spec_decode"]["vllm:spec_decode_num_drafts"] > 0
 
 
 @pytest.mark.parametrize("budget", [1, 8, 32, 64])
@@ -65,7 +75,9 @@ def test_sampled_ddtree_runs_and_seed_reproduces(tiny_llama_dir, tiny_llama_dfla
 
 
 def test_logprobs_match_no_spec(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
-    kwargs = dict(model=str(tiny_llama_dir), prompt_token_ids=prompt_ids[:3], max_tokens=24, ignore_eos=True, logprobs=2)
+    kwargs = dict(
+        model=str(tiny_llama_dir), prompt_token_ids=prompt_ids[:3], max_tokens=24, ignore_eos=True, logprobs=2
+    )
     base = run_engine(**kwargs)
     tree = run_engine(
         **kwargs,

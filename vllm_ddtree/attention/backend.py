@@ -27,13 +27,35 @@ def install() -> None:
     register_backend(AttentionBackendEnum.TRITON_ATTN, f"{__name__}.TreeTritonAttentionBackend")
 
 
+def unsupported_feature(impl) -> str | None:
+    """What of this attention layer the tree kernels cannot do, or None."""
+    if not isinstance(impl, TreeCPUAttentionImpl | TreeTritonAttentionImpl):
+        return f"the {type(impl).__name__} backend (ddtree needs TRITON_ATTN on GPU)"
+    if impl.attn_type != AttentionType.DECODER:
+        return f"{impl.attn_type} attention"
+    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1), [-1, -1]):
+        return "sliding-window attention"
+    if getattr(impl, "logits_soft_cap", None):
+        return "attention logits soft-capping"
+    for name in ("sinks", "alibi_slopes"):
+        if getattr(impl, name, None) is not None:
+            return f"attention {name.replace('_', ' ')}"
+    return None
+
+
+def check_target_layers(layers: dict) -> None:
+    """Refuse, at start-up, a target whose attention the tree path cannot mask (``layers``: name -> Attention)."""
+    for name, layer in layers.items():
+        problem = unsupported_feature(layer.impl)
+        if problem is not None:
+            raise NotImplementedError(f"ddtree does not support {problem} yet (target layer {name})")
+
+
 def _tree_step(impl, attn_metadata) -> verify_step.VerifyStep | None:
     """The verify step whose tree rows this decoder-attention call must mask, or None outside one."""
     step = verify_step.current()
     if step is None or attn_metadata is None or impl.attn_type != AttentionType.DECODER:
         return None
-    if impl.sliding_window not in (None, -1, (-1, -1)) or impl.logits_soft_cap or impl.sinks is not None:
-        raise NotImplementedError("ddtree tree attention: sliding window, softcap and sinks are not supported")
     return step
 
 
@@ -71,24 +93,27 @@ class TreeCPUAttentionBackend(CPUAttentionBackend):
 
 
 class TreeTritonAttentionImpl(TritonAttentionImpl):
-    """vLLM's Triton attention, then the tree requests again with our tree-masked Triton kernel."""
+    """During a verify step, one launch of our tree-masked kernel replaces vLLM's unified attention for the whole
+    batch (tree requests masked, prefill chunks and plain decodes causal); otherwise vLLM's Triton attention.
+
+    vLLM writes this step's K/V to the cache before ``forward`` (``forward_includes_kv_cache_update`` is False
+    for this backend), so the kernel reads every key, tree nodes included, from the paged cache."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         step = _tree_step(self, attn_metadata)
         if step is None:
-            return output
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
+            raise NotImplementedError("ddtree tree attention: fused output quantization is not supported")
         from vllm_ddtree.attention.triton_tree import tree_attention
 
-        kv = kv_cache.transpose(1, 2)
-        key_cache, value_cache = kv.split(self.head_size, dim=-1)
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         n, r = attn_metadata.num_actual_tokens, step.num_reqs  # vLLM may pad requests past r: leave them out
-        out = output[:n].view(n, self.num_heads, self.head_size)
         tree_attention(
             query[:n].view(n, self.num_heads, self.head_size),
             key_cache,
             value_cache,
-            out,
+            output[:n].view(n, self.num_heads, self.head_size),
             attn_metadata.query_start_loc[: r + 1],
             attn_metadata.seq_lens[:r],
             attn_metadata.block_table[:r],

@@ -44,7 +44,7 @@ class TreeBatch:
         return self.token_ids.shape[1] - 1
 
     @classmethod
-    def allocate(cls, max_reqs: int, budget: int, device: torch.device | str) -> "TreeBatch":
+    def allocate(cls, max_reqs: int, budget: int, device: torch.device | str) -> TreeBatch:
         n = budget + 1
         return cls(
             token_ids=torch.zeros(max_reqs, n, dtype=torch.int64, device=device),

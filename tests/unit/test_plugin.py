@@ -1,0 +1,29 @@
+"""The vllm.general_plugins entry point is installed and quiet on a patched vLLM."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+from vllm_ddtree import plugin
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.name == "ddtree" and ep.value == "vllm_ddtree.plugin:register" for ep in eps)
+
+
+def test_register_is_silent_when_patched(caplog):
+    with caplog.at_level(logging.WARNING, logger="vllm_ddtree"):
+        plugin.register()
+    assert not caplog.records
+
+
+def test_register_warns_when_vllm_is_not_patched(caplog, monkeypatch):
+    from vllm.config.speculative import SpeculativeConfig
+
+    fields = {k: v for k, v in SpeculativeConfig.__dataclass_fields__.items() if k != "tree_depth"}
+    monkeypatch.setattr(SpeculativeConfig, "__dataclass_fields__", fields)
+    with caplog.at_level(logging.WARNING, logger="vllm_ddtree"):
+        plugin.register()
+    assert "apply_patches.py apply" in caplog.text

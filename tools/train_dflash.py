@@ -29,6 +29,11 @@ and held-out top-1 accuracy per block position. CPU (float32) or one CUDA GPU (b
         --num-layers 1 --block-size 8 --steps 600
     python tools/train_dflash.py eval  --target smollm2 --drafter .cache/models/dflash-smollm2-trained
     python tools/train_dflash.py tau   --target smollm2 --drafter .cache/models/dflash-smollm2-trained
+
+On a busy 2-core CPU box pass ``--threads 1`` (two threads were 3-10x slower under load). ``--loss-vocab data``
+(softmax over the train split's token ids only) is a CPU speed-up for a first stage; finish with a full-vocab run
+``--init-from`` it, because DDTree ranks tree nodes by the drafter's full-vocab probabilities. On a GPU use the
+defaults (full vocab, bf16 autocast).
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def gsm8k_cases() -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def stdlib_snippets(n: int, seed: int, min_lines: int = 8, max_lines: int = 30) -> list[str]:
+def stdlib_snippets(n: int, seed: int, min_lines: int = 6, max_lines: int = 20) -> list[str]:
     """``n`` windows of the running Python's stdlib sources, each starting at a ``def``/``class`` line."""
     if n <= 0:
         return []
@@ -159,9 +164,9 @@ def build_prompts(tok, *, humaneval: int, mtbench: int, stdlib: int, heldout_gsm
     if heldout_gsm8k:
         for c in gsm8k_cases()[:heldout_gsm8k]:
             heldout.append({"source": "gsm8k", "id": c["id"], "ids": _chat_ids(tok, c["prompt"])})
-    for p in train + heldout:
-        p["ids"] = p["ids"][-max_prompt_tokens:]
-    return train, heldout
+    # Too-long prompts are dropped, not cut: a cut chat prompt loses its template head.
+    return ([p for p in train if len(p["ids"]) <= max_prompt_tokens],
+            [p for p in heldout if len(p["ids"]) <= max_prompt_tokens])
 
 
 # ==============================================================================================================
@@ -169,16 +174,16 @@ def build_prompts(tok, *, humaneval: int, mtbench: int, stdlib: int, heldout_gsm
 # ==============================================================================================================
 @dataclasses.dataclass
 class DataOptions:
-    humaneval: int = 1000  # train tasks (all but the held-out slice)
-    mtbench: int = 80
-    stdlib: int = 120
+    humaneval: int = 64  # train tasks (at most all but the held-out slice)
+    mtbench: int = 64
+    stdlib: int = 40
     heldout_gsm8k: int = 16
-    heldout_humaneval: int = 16
+    heldout_humaneval: int = 8
     greedy: int = 1  # greedy continuations per train prompt
     sampled: int = 1  # T=1 continuations per train prompt
     max_new_tokens: int = 128
-    max_prompt_tokens: int = 384
-    gen_batch_size: int = 16
+    max_prompt_tokens: int = 256  # longer prompts are dropped
+    gen_batch_size: int = 48
     feature_dtype: str = "bfloat16"
     seed: int = 0
 
@@ -219,7 +224,8 @@ def _load_target(target_dir: Path, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # features are stored in bf16 anyway
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
     return tok, model
 
 
@@ -364,6 +370,7 @@ def prepare_data(target_dir: str | os.PathLike, data_dir: str | os.PathLike | No
         summary[split] = {"sequences": len(seqs), "tokens": int(packed["ids"].numel()), "continuation_tokens": n_cont,
                           "tags": tags}
     meta = {"key": _key(recipe), "recipe": recipe, "target_dir": str(target_dir), "layer_ids": layer_ids,
+            "target_dtype": str(next(model.parameters()).dtype), "device": str(dev),
             "splits": summary, "build_seconds": round(time.monotonic() - t0, 1)}
     tmp = data_dir / ".meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1) + "\n")
@@ -425,7 +432,9 @@ class RMSNorm(nn.Module):
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style RoPE (vLLM ``get_rope`` default, HF ``rotate_half``). x [..., T, heads, hd]; cos/sin [..., T, hd/2]."""
+    """Neox-style RoPE (vLLM ``get_rope`` default, HF ``rotate_half``).
+
+    x [..., T, heads, hd]; cos/sin [..., T, hd/2]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -618,8 +627,10 @@ def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, 
     cfg = json.loads((drafter_dir / "config.json").read_text())
     model = build_drafter(cfg, Path(target_dir), torch.device(device), buffer_dtype=dtype)
     sd = load_file(str(drafter_dir / "model.safetensors"))
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
-    return model.to(dtype)
+    model.load_state_dict(sd, strict=True)
+    for prm in model.parameters():  # not .to(dtype): the RoPE inv_freq buffer stays float32
+        prm.data = prm.data.to(dtype)
+    return model
 
 
 # ==============================================================================================================
@@ -676,19 +687,29 @@ def _depth_weights(bs: int, gamma: float | None, device) -> torch.Tensor:
     return torch.ones_like(k) if not gamma else torch.exp(-(k - 1) / gamma)
 
 
-def loss_and_stats(model: DFlashDrafter, batch, gamma: float | None, device: torch.device, autocast: bool):
+def loss_and_stats(model: DFlashDrafter, batch, gamma: float | None, device: torch.device, autocast: bool,
+                   loss_vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Weighted CE over slots 1..bs-1. ``loss_vocab`` = (token ids, full-vocab -> index map) restricts the softmax
+    to those ids (a CPU speed option; the labels must lie inside it)."""
     feats, block_ids, anchors, labels = (t.to(device) for t in batch)
+    valid = labels != IGNORE
+    target = labels[valid]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        hidden = model(feats, block_ids, anchors)[:, :, 1:]  # slots 1..bs-1
-        valid = labels != IGNORE
-        logits = model.logits(hidden[valid])
+        hidden = model(feats, block_ids, anchors)[:, :, 1:][valid]  # slots 1..bs-1
+        if loss_vocab is None:
+            logits = model.logits(hidden)
+        else:
+            ids, index = loss_vocab
+            head = model.lm_head[ids]
+            logits = F.linear(hidden, head if autocast else head.to(hidden.dtype))
+            target = index[target]
     logits = logits.float()
-    ce = F.cross_entropy(logits, labels[valid], reduction="none")
+    ce = F.cross_entropy(logits, target, reduction="none")
     w = _depth_weights(model.block_size, gamma, device).expand_as(labels)[valid]
     loss = (ce * w).sum() / w.sum()
     with torch.no_grad():
         correct = torch.zeros_like(labels, dtype=torch.bool)
-        correct[valid] = logits.argmax(-1) == labels[valid]
+        correct[valid] = logits.argmax(-1) == target
     return loss, correct, valid
 
 
@@ -762,6 +783,10 @@ class TrainOptions:
     mask_token_id: int | None = None
     time_budget_s: float | None = None  # stop early (and save) after this much training wall time
     progress: bool = True
+    loss_vocab: str = "full"  # "full" softmax, or "data": only the train split's token ids (CPU speed-up; the
+    # argmax learns, but full-vocab probabilities stay uncalibrated: unusable for DDTree without a full-vocab pass)
+    stop_after: int | None = None  # end this run after this many steps (as if interrupted; resume continues)
+    init_from: str | None = None  # start from this saved drafter's weights (same config) instead of random
 
 
 def _device(spec: str | torch.device) -> torch.device:
@@ -829,6 +854,15 @@ def train(target_dir: str | os.PathLike, out_dir: str | os.PathLike, data_dir: s
                                  mask_token_id=opts.mask_token_id, target_layer_ids=meta["layer_ids"])
     buffer_dtype = torch.bfloat16 if autocast else torch.float32
     model = build_drafter(cfg, target_dir, dev, seed=opts.seed, buffer_dtype=buffer_dtype)
+    if opts.init_from:
+        from safetensors.torch import load_file
+
+        init_cfg = json.loads((Path(opts.init_from) / "config.json").read_text())
+        if {k: v for k, v in init_cfg.items() if k != "dtype"} != {k: v for k, v in cfg.items() if k != "dtype"}:
+            raise SystemExit(f"--init-from {opts.init_from}: its config differs from this run's drafter config")
+        sd = load_file(str(Path(opts.init_from) / "model.safetensors"))
+        model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+        print(f"[train] initialised from {opts.init_from}", file=sys.stderr)
     for p in model.parameters():
         p.requires_grad_(True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -838,7 +872,7 @@ def train(target_dir: str | os.PathLike, out_dir: str | os.PathLike, data_dir: s
     ident = {"config": cfg, "data_key": meta["key"],
              "options": {k: v for k, v in dataclasses.asdict(opts).items()
                          if k not in ("ckpt_every", "eval_every", "log_every", "progress", "time_budget_s",
-                                      "eval_anchors", "save_dtype")}}
+                                      "eval_anchors", "save_dtype", "stop_after")}}
     state_path = state_path_for(out_dir)
     log: dict[str, Any] = {"target_dir": str(target_dir), "data_dir": str(data_dir), "identity": ident,
                            "loss": [], "train_top1": [], "evals": [], "wall_s": 0.0}
@@ -852,6 +886,15 @@ def train(target_dir: str | os.PathLike, out_dir: str | os.PathLike, data_dir: s
             print(f"[train] resuming from step {start} ({state_path})", file=sys.stderr)
         else:
             print(f"[train] ignoring {state_path}: other settings (pass --fresh to silence)", file=sys.stderr)
+    loss_vocab = None
+    if opts.loss_vocab == "data":
+        ids = torch.unique(train_split.ids)
+        index = torch.full((model.lm_head.shape[0],), -1, dtype=torch.long)
+        index[ids] = torch.arange(len(ids))
+        loss_vocab = (ids.to(dev), index.to(dev))
+        print(f"[train] softmax over the {len(ids)} token ids of the train split (--loss-vocab data)", file=sys.stderr)
+    elif opts.loss_vocab != "full":
+        raise ValueError(f"loss_vocab must be 'full' or 'data', got {opts.loss_vocab!r}")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[train] drafter {opts.num_layers} layer(s), block {opts.block_size}, {n_params / 1e6:.2f} M params, "
           f"target layers {meta['layer_ids']}, mask {cfg['dflash_config']['mask_token_id']}; "
@@ -873,6 +916,8 @@ def train(target_dir: str | os.PathLike, out_dir: str | os.PathLike, data_dir: s
     step = start
     model.train()
     while step < opts.steps:
+        if opts.stop_after is not None and step - start >= opts.stop_after:
+            break
         if opts.time_budget_s is not None and time.monotonic() - t0 > opts.time_budget_s:
             print(f"[train] time budget reached at step {step}", file=sys.stderr)
             break
@@ -881,7 +926,7 @@ def train(target_dir: str | os.PathLike, out_dir: str | os.PathLike, data_dir: s
             g["lr"] = lr
         batch = train_batch(train_split, step, opts.seed, opts.batch_size, opts.anchors_per_seq, opts.block_size,
                             model.mask_token_id)
-        loss, correct, valid = loss_and_stats(model, batch, opts.gamma, dev, autocast)
+        loss, correct, valid = loss_and_stats(model, batch, opts.gamma, dev, autocast, loss_vocab)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         if opts.grad_clip:
@@ -1032,6 +1077,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-every", type=int, default=t.log_every)
     g.add_argument("--save-dtype", default=t.save_dtype, choices=["bfloat16", "float16", "float32"])
     g.add_argument("--time-budget", type=float, default=None, help="stop training after this many minutes")
+    g.add_argument("--loss-vocab", default=t.loss_vocab, choices=["full", "data"],
+                   help="softmax over the full vocab, or only over the train split's token ids (CPU speed-up: right "
+                   "argmax, but uncalibrated full-vocab probabilities, which DDTree's tree needs; follow with a "
+                   "full-vocab run --init-from it)")
+    g.add_argument("--init-from", default=None, help="start from a saved drafter's weights (e.g. a --loss-vocab data "
+                   "run, then calibrate with a short full-vocab run)")
     g.add_argument("--fresh", action="store_true", help="ignore a saved resume state")
     g.add_argument("--no-progress", action="store_true")
 
@@ -1062,7 +1113,8 @@ def main(argv: list[str] | None = None) -> int:
                             ckpt_every=a.ckpt_every, eval_every=a.eval_every, eval_anchors=a.eval_anchors,
                             log_every=a.log_every, save_dtype=a.save_dtype, mask_token_id=a.mask_token_id,
                             time_budget_s=a.time_budget * 60 if a.time_budget else None,
-                            progress=not a.no_progress)
+                            progress=not a.no_progress, loss_vocab=a.loss_vocab,
+                            init_from=str(Path(a.init_from).resolve()) if a.init_from else None)
         train(target, a.out, data_dir, opts, device=a.device, fresh=a.fresh)
     elif a.cmd == "eval":
         dev = _device(a.device)

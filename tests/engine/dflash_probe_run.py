@@ -1,6 +1,7 @@
 """engine_run.py's engine with vLLM's own DFlash drafter logits recorded (for tests/engine/test_train_dflash_engine.py).
 
-    python tests/engine/dflash_probe_run.py '{"probe_out": "/tmp/x.pt", "model": ..., "spec": {"method": "dflash", ...}}'
+    python tests/engine/dflash_probe_run.py \
+        '{"probe_out": "/tmp/x.pt", "model": ..., "spec": {"method": "dflash", ...}}'
 
 Wraps ``DFlashProposer._sample_draft_tokens`` (the method that turns the drafter's hidden states into draft tokens)
 and records, for every request of every draft pass: the prompt, the root position and token, and a compact view
@@ -11,6 +12,7 @@ saved to ``probe_out``; the engine result is printed exactly as engine_run.py pr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,9 @@ def run_probe(**args) -> dict:
     """Run this script in a fresh process; return the engine result with the records under ``"probe"``."""
     import torch
 
-    proc = subprocess.run([sys.executable, __file__, json.dumps(args)], capture_output=True, text=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(args)], capture_output=True, text=True, timeout=900,
+                          env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"probe engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

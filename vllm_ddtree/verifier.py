@@ -92,7 +92,8 @@ class TreeVerifier:
         # Logits rows are each request's last 1 + drafts tokens: the root, then its nodes in tree order.
         num_rows = num_draft_tokens + 1
         row_request_np = np.repeat(np.arange(num_reqs), num_rows)
-        row_node_np = np.arange(row_request_np.size) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+        row_starts = np.cumsum(num_rows) - num_rows
+        row_node_np = np.arange(row_request_np.size) - np.repeat(row_starts, num_rows)
         row_request = torch.from_numpy(row_request_np).to(self.device, non_blocking=True)
         row_node = torch.from_numpy(row_node_np).to(self.device, non_blocking=True)
         row_has_tree = torch.from_numpy(np.repeat(has_tree, num_rows)).to(self.device, non_blocking=True)
@@ -112,6 +113,7 @@ class TreeVerifier:
             num_nodes_cpu=num_draft_tokens.copy(),
             has_tree_cpu=has_tree,
             root_rows_cpu=cu_num_tokens - num_rows,
+            row_starts_cpu=row_starts,
             row_request=row_request,
             row_node=row_node,
             tree_rows_device=torch.from_numpy(tree_rows).to(self.device, non_blocking=True),
@@ -166,7 +168,7 @@ class TreeVerifier:
         # Seeded requests draw every one of their rows from their own generator, in row order.
         generators = {}
         if md.generators:
-            starts = np.cumsum(step.num_nodes_cpu + 1) - (step.num_nodes_cpu + 1)
+            starts = step.row_starts_cpu
             for r, gen in md.generators.items():
                 for row in range(starts[r], starts[r] + step.num_nodes_cpu[r] + 1):
                     generators[int(row)] = gen
@@ -217,8 +219,7 @@ class TreeRejectionSampler(torch.nn.Module):
 
         Padding slots get row 0 / token 0 and are dropped by vLLM's parse_output (it filters on the -1 tokens)."""
         num_reqs, width = tokens.shape
-        num_rows = step.num_nodes_cpu + 1
-        starts = torch.from_numpy(np.cumsum(num_rows) - num_rows).to(logits.device, non_blocking=True)
+        starts = torch.from_numpy(step.row_starts_cpu).to(logits.device, non_blocking=True)
         acc = self.verifier.walk.accepted_node_ids[:num_reqs, : min(width, self.verifier.depth + 1)].to(torch.int64)
         acc = torch.nn.functional.pad(acc, (0, width - acc.shape[1]), value=-1)
         rows = torch.where(acc >= 0, starts[:, None] + acc, 0).flatten()

@@ -25,6 +25,7 @@ class VerifyStep:
     num_nodes_cpu: np.ndarray  # [num_reqs] scheduled drafts per request: its rows are the root, then these
     has_tree_cpu: np.ndarray  # [num_reqs] bool: verifies a tree (False: no drafts, or drafts from a stale tree)
     root_rows_cpu: np.ndarray  # [num_reqs] flat token row of each request's root (its tree rows follow)
+    row_starts_cpu: np.ndarray  # [num_reqs] first logits row of each request (its root's)
     row_request: torch.Tensor  # [num_logits_rows] request of each logits row (rows are root, node 1, ...)
     row_node: torch.Tensor  # [num_logits_rows] node index of each logits row
     tree_rows_device: torch.Tensor  # [num_reqs] int32: r for a request verifying a tree, -1 otherwise

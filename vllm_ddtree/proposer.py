@@ -21,6 +21,8 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.attention import backend as tree_backends
+from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
+from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.verifier import TreeRejectionSampler, TreeVerifier
@@ -57,7 +59,12 @@ class DDTreeProposer(DFlashProposer):
         max_reqs = vllm_config.scheduler_config.max_num_seqs
         self.draft_trees = TreeBatch.allocate(max_reqs, self.tree_budget, device)
         self._draft_rows: dict[str, int] = {}  # request id -> its row in draft_trees
-        self.verifier = TreeVerifier(runner, self.tree_budget, self.tree_depth, max_reqs, device)
+        self.timer = StepTimer(device)
+        self.verifier = TreeVerifier(runner, self.tree_budget, self.tree_depth, max_reqs, device, self.timer)
+        # The build replays from a CUDA graph for small batches; its inputs are copied into these static buffers.
+        self._build_graphs = GraphedStep(self._build_rows, largest_bucket(max_reqs), device)
+        self._graph_logits: torch.Tensor | None = None  # [graph rows, depth, vocab], allocated on first use
+        self._graph_roots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self._placeholder_drafts = torch.zeros(max_reqs * self.tree_depth, dtype=torch.int64, device=device)
         # Before the target model is built: its attention layers then pick the tree-aware backend subclasses.
         _select_tree_attention_backend(vllm_config)
@@ -99,6 +106,7 @@ class DDTreeProposer(DFlashProposer):
         num_rejected_tokens_gpu=None,
         slot_mappings=None,
     ) -> torch.Tensor:
+        self.timer.mark("propose")
         step = self.verifier.last_step
         self.verifier.last_step = None
         if step is not None and num_rejected_tokens_gpu is not None:
@@ -106,6 +114,7 @@ class DDTreeProposer(DFlashProposer):
             target_token_ids = target_token_ids[order]
             target_positions = target_positions[..., order]
             target_hidden_states = target_hidden_states[order]
+        self.timer.mark("linearised")
         num_reqs = common_attn_metadata.batch_size()
         self._root_token_ids = next_token_ids
         super().propose(
@@ -136,9 +145,23 @@ class DDTreeProposer(DFlashProposer):
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         """Parallel drafting's sampling step: build the trees from the logits instead of taking the argmax."""
+        self.timer.mark("build")
         logits = self.model.compute_logits(hidden_states)
         num_reqs = logits.shape[0] // self.tree_depth
-        build_tree(
-            logits.view(num_reqs, self.tree_depth, -1), self.tree_budget, self.draft_trees, self._root_token_ids
-        )
+        logits = logits.view(num_reqs, self.tree_depth, -1)
+        if self._build_graphs.replays(num_reqs):
+            if self._graph_logits is None:
+                self._graph_logits = torch.zeros(
+                    (self._build_graphs.max_rows, *logits.shape[1:]), dtype=logits.dtype, device=logits.device
+                )
+            self._graph_logits[:num_reqs].copy_(logits)
+            self._graph_roots[:num_reqs].copy_(self._root_token_ids)
+            self._build_graphs(num_reqs)
+        else:
+            build_tree(logits, self.tree_budget, self.draft_trees, self._root_token_ids)
+        self.timer.mark("built")
         return self._placeholder_drafts[: num_reqs * self.tree_depth], None
+
+    def _build_rows(self, rows: int) -> None:
+        """The graphed build: rows [:rows] of the static logits/roots buffers into ``draft_trees``."""
+        build_tree(self._graph_logits[:rows], self.tree_budget, self.draft_trees, self._graph_roots[:rows])

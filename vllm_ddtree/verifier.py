@@ -20,6 +20,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree import verify_step
+from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.sampler import TreeWalkOutput, sample_node_tokens, walk_tree
 from vllm_ddtree.tree.layout import TreeBatch
 
@@ -55,14 +56,17 @@ def check_ranks_agree(accepted: torch.Tensor) -> None:
 class TreeVerifier:
     """Per-worker verify state; ``runner`` is vLLM's GPUModelRunner (or its CPU subclass)."""
 
-    def __init__(self, runner, budget: int, depth: int, max_reqs: int, device: torch.device):
+    def __init__(self, runner, budget: int, depth: int, max_reqs: int, device: torch.device, timer):
         self.runner = runner
+        self.timer = timer  # step_timing.StepTimer
         self.budget = budget
         self.depth = depth
         self.device = device
         self.trees = TreeBatch.allocate(max_reqs, budget, device)
         self.walk = TreeWalkOutput.allocate(max_reqs, depth, device)
         self.node_tokens = torch.zeros(max_reqs, budget + 1, dtype=torch.int64, device=device)
+        # The walk reads only static buffers (node_tokens, trees) and writes ``walk``: it replays from a graph.
+        self._walk_graphs = GraphedStep(self._walk_rows, largest_bucket(max_reqs), device)
         self._compact = None  # built on first use: the KV caches exist only after vLLM allocated them
         self.check_ranks = os.environ.get(CHECK_RANKS_ENV, "0") == "1"
         self.last_step: verify_step.VerifyStep | None = None  # the walked step, for the drafter's linearisation
@@ -79,6 +83,7 @@ class TreeVerifier:
     ) -> None:
         """Gather this step's trees (``draft_rows[r]``: row of request r's tree in ``draft_trees``) and write the
         tree rows' depth positions in place; publish the step for the attention backend and the sampler."""
+        self.timer.mark("prepare")
         num_reqs = len(num_draft_tokens)
         # A request whose drafts came from an older tree (it sat out the last draft step, e.g. preempted, and the
         # tree's row was reused since) verifies no tree: accepting nothing is always lossless.
@@ -119,6 +124,7 @@ class TreeVerifier:
             tree_rows_device=torch.from_numpy(tree_rows).to(self.device, non_blocking=True),
         )
         verify_step.begin(step)
+        self.timer.mark("prepared")
 
     # ------------------------------------------------------------------ after the target forward
 
@@ -131,15 +137,19 @@ class TreeVerifier:
         """Walk every tree; returns vLLM's ``[num_reqs, 1 + max drafts]`` token output (accepted, bonus, -1)."""
         step = verify_step.current()
         assert step is not None, "tree sampler called outside a verify step"
+        self.timer.mark("sample")
         num_reqs = step.num_reqs
         row_tokens = self._sample_rows(logits, step, sampling_metadata)
         node_tokens = self.node_tokens[:num_reqs]
         node_tokens.zero_()
         node_tokens[step.row_request, step.row_node] = row_tokens
-        walk = walk_tree(node_tokens, self.trees, self.depth, self.walk)
+        self._walk_graphs(num_reqs)
+        walk = self.walk
+        self.timer.mark("walked")
         if self.check_ranks:
             check_ranks_agree(walk.accepted_node_ids[:num_reqs])
         self._compact_kv(step, walk)
+        self.timer.mark("compacted")
         verify_step.end()
         self.last_step = step
 
@@ -148,6 +158,9 @@ class TreeVerifier:
         n = min(width, self.depth + 1)
         out[:, :n] = walk.output_token_ids[:num_reqs, :n]
         return out
+
+    def _walk_rows(self, rows: int) -> None:
+        walk_tree(self.node_tokens[:rows], self.trees, self.depth, self.walk)
 
     def _sample_rows(
         self, logits: torch.Tensor, step: verify_step.VerifyStep, sampling_metadata: SamplingMetadata

@@ -136,7 +136,8 @@ def main() -> None:
         max_model_len=args.get("max_model_len", 512),
         max_num_seqs=args.get("max_num_seqs", 8),
         max_num_batched_tokens=args.get("max_num_batched_tokens", 1024),
-        enforce_eager=True,
+        # VLLM_DDTREE_TEST_CUDA_GRAPHS=1 (GPU sessions, tools/gpu_session.sh) runs the same checks with graphs on.
+        enforce_eager=os.environ.get("VLLM_DDTREE_TEST_CUDA_GRAPHS") != "1",
         tensor_parallel_size=tensor_parallel,
         distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
         seed=0,

@@ -1,0 +1,62 @@
+"""The per-step helpers around the tree core: graph buckets (cuda_graphs.py) and the step timer (step_timing.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree import step_timing
+from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket, row_bucket
+
+
+def test_row_buckets_are_the_next_power_of_two():
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    # Buffers hold max_reqs rows: a bucket must never exceed them.
+    assert [largest_bucket(n) for n in (1, 3, 6, 8, 200)] == [1, 2, 4, 8, 8]
+
+
+def test_graphed_step_runs_eagerly_off_cuda():
+    calls = []
+    step = GraphedStep(calls.append, max_rows=8, device=torch.device("cpu"))
+    assert not step.replays(3)
+    step(3)
+    assert calls == [3]  # the live row count, not a padded bucket
+
+
+def test_step_timer_reports_each_interval_of_complete_cycles(tmp_path, monkeypatch):
+    monkeypatch.setenv(step_timing.TIMING_ENV, str(tmp_path))
+    timer = step_timing.StepTimer(torch.device("cpu"))
+    for _ in range(3):
+        for name in step_timing.ORDER:
+            timer.mark(name)
+    timer.mark("prepare")
+    timer.mark("propose")  # out of order (a step without a verify): this pair must not be reported
+    timer.flush()
+    (report,) = step_timing.read_reports(tmp_path)
+    cycle = list(zip(step_timing.ORDER, step_timing.ORDER[1:] + step_timing.ORDER[:1], strict=True))
+    assert set(report) == {f"{a} -> {b}" for a, b in cycle}
+    assert all(v["count"] == 3 for v in report.values())
+    assert all(v["host_ms_median"] >= 0 and v["device_ms_median"] == v["host_ms_median"] for v in report.values())
+
+
+def test_step_timer_is_inert_when_off(tmp_path, monkeypatch):
+    monkeypatch.delenv(step_timing.TIMING_ENV, raising=False)
+    timer = step_timing.StepTimer(torch.device("cpu"))
+    timer.mark("prepare")
+    assert not timer.enabled and timer.marks == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphed_step_replays_the_captured_work():
+    src = torch.zeros(8, device="cuda")
+    dst = torch.zeros(8, device="cuda")
+
+    def double(rows):
+        dst[:rows] = src[:rows] * 2
+
+    step = GraphedStep(double, max_rows=8, device=torch.device("cuda"))
+    for value in (1.0, 5.0):
+        src.fill_(value)
+        step(3)
+        assert dst[:3].tolist() == [2 * value] * 3
+    assert list(step.graphs) == [4]

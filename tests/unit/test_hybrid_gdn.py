@@ -1,0 +1,306 @@
+"""GDN (hybrid target) tree kernels: references vs per-path chains vs vLLM's own kernels vs the Triton tree kernels.
+
+Chain of trust: (1) the float64 chain references equal vLLM 0.26.0's spec-decode conv and recurrence kernels;
+(2) the tree references equal the chain reference run along every root-to-node path; (3) the Triton tree kernels
+equal the tree references (and vLLM bit for bit on chain-shaped trees); (4) after relayout, vLLM's chain
+bookkeeping continues exactly as if the accepted path had been verified as a chain.
+"""
+
+import pytest
+import torch
+
+from vllm_ddtree.hybrid import memory
+from vllm_ddtree.hybrid.reference import (
+    conv_chain_reference,
+    conv_roll_reference,
+    conv_tree_reference,
+    gdn_chain_reference,
+    gdn_tree_reference,
+    relayout_reference,
+)
+from vllm_ddtree.hybrid.relayout import branch_node_indices, relayout_accepted_path, replay_accepted_path
+from vllm_ddtree.hybrid.tree_conv import flat_token_parents, tree_causal_conv1d_update, tree_conv_window
+from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
+
+H, HV, K, V, W = 2, 4, 16, 16, 4
+DIM = 2 * H * K + HV * V
+SPEC = 12  # num_speculative_tokens: slots hold up to SPEC + 1 tree tokens
+ATOL = 2e-5
+
+
+def random_parents(n: int, gen: torch.Generator, chain: bool = False) -> list[int]:
+    """Pop-ordered tree (parents[i] < i); biased towards the previous node, as best-first trees often are."""
+    if chain:
+        return list(range(-1, n - 1))
+    out = [-1]
+    for i in range(1, n):
+        r = torch.rand((), generator=gen).item()
+        out.append(i - 1 if r < 0.4 else int(torch.randint(0, i, (), generator=gen)))
+    return out
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def gdn_inputs(t: int, gen: torch.Generator, dtype=torch.float64):
+    q = torch.randn(t, H, K, generator=gen, dtype=dtype)
+    k = torch.randn(t, H, K, generator=gen, dtype=dtype)
+    v = torch.randn(t, HV, V, generator=gen, dtype=dtype)
+    a = torch.randn(t, HV, generator=gen, dtype=dtype)
+    b = torch.randn(t, HV, generator=gen, dtype=dtype)
+    return q, k, v, a, b
+
+
+def layer_params(gen: torch.Generator, dtype=torch.float64):
+    A_log = torch.rand(HV, generator=gen, dtype=dtype) - 0.5
+    dt_bias = torch.rand(HV, generator=gen, dtype=dtype) * 0.2
+    weight = torch.randn(DIM, W, generator=gen, dtype=dtype) * 0.5
+    bias = torch.randn(DIM, generator=gen, dtype=dtype) * 0.1
+    return A_log, dt_bias, weight, bias
+
+
+# ---------------------------------------------------------------- (2) tree reference == chain along every path
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_references_equal_per_path_chains(seed):
+    gen = torch.Generator().manual_seed(seed)
+    parents = random_parents(14, gen)
+    A_log, dt_bias, weight, bias = layer_params(gen)
+    x = torch.randn(14, DIM, generator=gen, dtype=torch.float64)
+    prior = torch.randn(DIM, W - 1, generator=gen, dtype=torch.float64)
+    q, k, v, a, b = gdn_inputs(14, gen)
+    h0 = torch.randn(HV, V, K, generator=gen, dtype=torch.float64)
+    conv_tree = conv_tree_reference(x, parents, prior, weight, bias)
+    o_tree, s_tree = gdn_tree_reference(q, k, v, a, b, A_log, dt_bias, h0, parents)
+    for node in range(14):
+        p = path_to(parents, node)
+        conv_chain = conv_chain_reference(x[p], prior, weight, bias)
+        o_chain, s_chain = gdn_chain_reference(q[p], k[p], v[p], a[p], b[p], A_log, dt_bias, h0)
+        torch.testing.assert_close(conv_tree[p], conv_chain, rtol=0, atol=1e-12)
+        torch.testing.assert_close(o_tree[p], o_chain, rtol=0, atol=1e-12)
+        torch.testing.assert_close(s_tree[node], s_chain[-1], rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- batched fixtures in vLLM's cache layout
+
+
+def make_step(seed: int, chain: bool = False, sizes=(7, 1, 13, 4)):
+    """A batch of trees plus vLLM-style caches: conv (slots, dim, W-1+SPEC), ssm (slots, HV, V, K), float32."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(sizes)
+    parents = [random_parents(s, gen, chain) for s in sizes]
+    qsl = torch.tensor([0] + list(torch.tensor(sizes).cumsum(0)), dtype=torch.int32)
+    t = int(qsl[-1])
+    A_log, dt_bias, weight, bias = (p.float() for p in layer_params(gen))
+    slots = 1 + n * (SPEC + 1)
+    conv_state = torch.randn(slots, DIM, W - 1 + SPEC, generator=gen)
+    ssm_state = torch.randn(slots, HV, V, K, generator=gen) * 0.3
+    spec_idx = (1 + torch.randperm(slots - 1, generator=gen)[: n * (SPEC + 1)]).view(n, SPEC + 1).int()
+    num_acc = torch.randint(1, SPEC + 2, (n,), generator=gen).int()
+    x = torch.randn(t, DIM, generator=gen)
+    q, k, v, a, b = (z.float() for z in gdn_inputs(t, gen))
+    flat_parents = torch.tensor([p for ps in parents for p in ps], dtype=torch.int32)
+    return dict(parents=parents, flat_parents=flat_parents, qsl=qsl, A_log=A_log, dt_bias=dt_bias, weight=weight,
+                bias=bias, conv_state=conv_state, ssm_state=ssm_state, spec_idx=spec_idx, num_acc=num_acc, x=x,
+                q=q, k=k, v=v, a=a, b=b, max_len=max(sizes))
+
+
+def run_tree_conv(s, conv_state):
+    window = tree_conv_window(s["flat_parents"], s["qsl"], W)
+    slots = s["spec_idx"][:, 0].contiguous()
+    return tree_causal_conv1d_update(s["x"], conv_state, s["weight"], s["bias"], "silu", slots, s["num_acc"], s["qsl"],
+                                     s["max_len"], window)
+
+
+def run_tree_gdn(s, **kw):
+    return tree_fused_sigmoid_gating_delta_rule_update(
+        s["A_log"], s["a"], s["b"], s["dt_bias"], s["q"][None], s["k"][None], s["v"][None], s["flat_parents"],
+        initial_state=s["ssm_state"], cu_seqlens=s["qsl"], ssm_state_indices=s["spec_idx"],
+        num_accepted_tokens=s["num_acc"], use_qk_l2norm_in_kernel=True, **kw)
+
+
+def test_flat_token_parents_from_tree_batch():
+    from vllm_ddtree.tree.layout import TreeBatch
+
+    s = make_step(4)
+    tree = TreeBatch.allocate(len(s["parents"]), SPEC, "cpu")
+    for r, ps in enumerate(s["parents"]):
+        tree.parents[r, : len(ps)] = torch.tensor(ps, dtype=torch.int32)
+    flat = flat_token_parents(tree.parents, s["qsl"], int(s["qsl"][-1]))
+    assert flat.tolist() == s["flat_parents"].tolist()
+
+
+def test_conv_window_matches_reference():
+    from vllm_ddtree.hybrid.reference import conv_window_sources
+
+    s = make_step(3)
+    window = tree_conv_window(s["flat_parents"], s["qsl"], W).tolist()
+    expected = [w for ps in s["parents"] for w in conv_window_sources(ps, W)]
+    assert window == expected
+
+
+# ---------------------------------------------------------------- (3) Triton tree kernels == tree references
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_conv_kernel_matches_reference(seed):
+    s = make_step(seed)
+    conv_state = s["conv_state"].clone()
+    out = run_tree_conv(s, conv_state)
+    for n, ps in enumerate(s["parents"]):
+        lo, hi = int(s["qsl"][n]), int(s["qsl"][n + 1])
+        slot, off = int(s["spec_idx"][n, 0]), int(s["num_acc"][n]) - 1
+        prior = s["conv_state"][slot, :, off : off + W - 1]
+        ref = conv_tree_reference(s["x"][lo:hi], ps, prior, s["weight"], s["bias"])
+        torch.testing.assert_close(out[lo:hi].double(), ref, rtol=0, atol=ATOL)
+        roll = conv_roll_reference(s["conv_state"][slot], s["x"][lo:hi], off + 1, W)
+        torch.testing.assert_close(conv_state[slot], roll, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_gdn_kernel_matches_reference(seed):
+    s = make_step(seed)
+    ssm_before = s["ssm_state"].clone()
+    o, states = run_tree_gdn(s)
+    assert torch.equal(s["ssm_state"], ssm_before), "the tree kernel must not touch vLLM's slots by default"
+    for n, ps in enumerate(s["parents"]):
+        lo, hi = int(s["qsl"][n]), int(s["qsl"][n + 1])
+        h0 = ssm_before[int(s["spec_idx"][n, int(s["num_acc"][n]) - 1])]
+        sl = slice(lo, hi)
+        o_ref, s_ref = gdn_tree_reference(s["q"][sl], s["k"][sl], s["v"][sl], s["a"][sl], s["b"][sl], s["A_log"],
+                                          s["dt_bias"], h0, ps)
+        torch.testing.assert_close(o[0, sl].double(), o_ref, rtol=0, atol=ATOL)
+        torch.testing.assert_close(states[sl].double(), s_ref, rtol=0, atol=ATOL)
+
+
+# ---------------------------------------------------------------- (1) + chain-shaped trees == vLLM's kernels
+
+
+def vllm_chain_step(s, conv_state, ssm_state, x, q, k, v, a, b, qsl, num_acc, max_len):
+    """vLLM 0.26.0's spec-decode verify for one GDN layer, as _forward_core calls it (Triton, interpreted)."""
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+    from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+        fused_sigmoid_gating_delta_rule_update,
+    )
+
+    conv_out = causal_conv1d_update(x.clone(), conv_state, s["weight"], s["bias"], "silu",
+                                    conv_state_indices=s["spec_idx"][:, 0].contiguous(), num_accepted_tokens=num_acc,
+                                    query_start_loc=qsl, max_query_len=max_len)
+    o, _ = fused_sigmoid_gating_delta_rule_update(
+        A_log=s["A_log"], a=a, b=b, dt_bias=s["dt_bias"], q=q[None], k=k[None], v=v[None], initial_state=ssm_state,
+        inplace_final_state=True, cu_seqlens=qsl, ssm_state_indices=s["spec_idx"], num_accepted_tokens=num_acc,
+        use_qk_l2norm_in_kernel=True)
+    return conv_out, o
+
+
+def test_chain_references_and_chain_trees_equal_vllm():
+    s = make_step(5, chain=True)
+    conv_v, ssm_v = s["conv_state"].clone(), s["ssm_state"].clone()
+    conv_out_v, o_v = vllm_chain_step(s, conv_v, ssm_v, s["x"], s["q"], s["k"], s["v"], s["a"], s["b"], s["qsl"],
+                                      s["num_acc"], s["max_len"])
+    conv_t = s["conv_state"].clone()
+    conv_out_t = run_tree_conv(s, conv_t)
+    o_t, states_t = run_tree_gdn(s)
+    torch.testing.assert_close(conv_out_t, conv_out_v, rtol=0, atol=1e-6)
+    torch.testing.assert_close(conv_t, conv_v, rtol=0, atol=0)
+    torch.testing.assert_close(o_t, o_v, rtol=0, atol=1e-6)
+    for n in range(len(s["parents"])):
+        lo, hi = int(s["qsl"][n]), int(s["qsl"][n + 1])
+        slot, off = int(s["spec_idx"][n, 0]), int(s["num_acc"][n]) - 1
+        ref = conv_chain_reference(s["x"][lo:hi], s["conv_state"][slot, :, off : off + W - 1], s["weight"], s["bias"])
+        torch.testing.assert_close(conv_out_v[lo:hi].double(), ref, rtol=0, atol=ATOL)
+        h0 = s["ssm_state"][int(s["spec_idx"][n, off])]
+        sl = slice(lo, hi)
+        o_ref, s_ref = gdn_chain_reference(s["q"][sl], s["k"][sl], s["v"][sl], s["a"][sl], s["b"][sl], s["A_log"],
+                                           s["dt_bias"], h0)
+        torch.testing.assert_close(o_v[0, sl].double(), o_ref, rtol=0, atol=ATOL)
+        written = ssm_v[s["spec_idx"][n, : hi - lo].long()]  # vLLM stores the state after token t in column t
+        torch.testing.assert_close(written.double(), s_ref, rtol=0, atol=ATOL)
+        torch.testing.assert_close(states_t[sl], written, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- (4) relayout: vLLM's bookkeeping continues unchanged
+
+
+def random_accepted(s, gen):
+    n = len(s["parents"])
+    acc = torch.full((n, SPEC + 1), -1, dtype=torch.int32)
+    num = torch.zeros(n, dtype=torch.int32)
+    for r, ps in enumerate(s["parents"]):
+        p = path_to(ps, int(torch.randint(0, len(ps), (), generator=gen)))
+        acc[r, : len(p)] = torch.tensor(p)
+        num[r] = len(p)
+    return acc, num
+
+
+@pytest.mark.parametrize("mode", ["workspace", "persistent", "replay"])
+def test_relayout_then_vllm_chain_continues(mode):
+    gen = torch.Generator().manual_seed(11)
+    s = make_step(7)
+    conv_t, ssm_t = s["conv_state"].clone(), s["ssm_state"].clone()
+    run_tree_conv(s, conv_t)
+    t = s["flat_parents"].shape[0]
+    if mode == "persistent":  # node i of request n lives in vLLM's spec slot column i (num_speculative_tokens = B)
+        rel = torch.arange(t) - s["qsl"][:-1].repeat_interleave(s["qsl"].diff())
+        seq = torch.arange(len(s["parents"])).repeat_interleave(s["qsl"].diff())
+        node_idx = s["spec_idx"][seq, rel].int()
+        o, node_states = run_tree_gdn(dict(s, ssm_state=ssm_t), node_states=ssm_t, node_state_indices=node_idx)
+    elif mode == "replay":  # store only branch points in a per-layer workspace, recompute the path afterwards
+        node_idx = branch_node_indices(s["flat_parents"], s["qsl"])
+        assert 0 < int((node_idx >= 0).sum()) < t
+        o, _ = run_tree_gdn(s, node_states=torch.zeros(t, HV, V, K), node_state_indices=node_idx)
+        node_states = None
+    else:
+        o, node_states = run_tree_gdn(s)
+        node_idx = torch.arange(t, dtype=torch.int32)
+    o_ref, _ = run_tree_gdn(s)  # outputs do not depend on where node states live
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    acc, num = random_accepted(s, gen)
+    args = (s["spec_idx"][:, 0], s["spec_idx"], acc, num, W, node_states, node_idx, s["qsl"])
+    if mode == "replay":
+        relayout_accepted_path(conv_t, ssm_t, *args)
+        replay_accepted_path(s["A_log"], s["a"], s["b"], s["dt_bias"], s["q"][None], s["k"][None], s["v"][None], ssm_t,
+                             s["spec_idx"], s["num_acc"], acc, num, s["qsl"])
+    else:
+        ref_conv, ref_ssm = relayout_reference(conv_t, ssm_t, *args)
+        relayout_accepted_path(conv_t, ssm_t, *args)
+        torch.testing.assert_close(conv_t, ref_conv, rtol=0, atol=0)
+        torch.testing.assert_close(ssm_t, ref_ssm, rtol=0, atol=0)
+
+    # Expected: vLLM verifies only the accepted path, as a chain, from the same caches.
+    n = len(s["parents"])
+    path_tok = [int(s["qsl"][r]) + int(acc[r, i]) for r in range(n) for i in range(int(num[r]))]
+    pqsl = torch.tensor([0] + num.cumsum(0).tolist(), dtype=torch.int32)
+    conv_c, ssm_c = s["conv_state"].clone(), s["ssm_state"].clone()
+    pick = [z[path_tok] for z in (s["x"], s["q"], s["k"], s["v"], s["a"], s["b"])]
+    vllm_chain_step(s, conv_c, ssm_c, *pick, pqsl, s["num_acc"], int(num.max()))
+    for r in range(n):
+        slot, a = int(s["spec_idx"][r, 0]), int(num[r]) - 1
+        torch.testing.assert_close(conv_t[slot, :, : W - 1 + a], conv_c[slot, :, : W - 1 + a], rtol=0, atol=0)
+        torch.testing.assert_close(ssm_t[int(s["spec_idx"][r, a])], ssm_c[int(s["spec_idx"][r, a])], rtol=0,
+                                   atol=1e-6)
+
+    # Next step: vLLM's own kernels with num_accepted_tokens = a + 1 give the same outputs on both cache sets.
+    nxt = make_step(8, chain=True, sizes=(3, 2, 4, 1))
+    outs = [vllm_chain_step(s, cs, ss, nxt["x"], nxt["q"], nxt["k"], nxt["v"], nxt["a"], nxt["b"], nxt["qsl"], num,
+                            nxt["max_len"]) for cs, ss in ((conv_t, ssm_t), (conv_c, ssm_c))]
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_memory_numbers():
+    s = memory.QWEN36_27B
+    assert s.conv_dim == 10240 and s.state_elems * s.state_bytes == 3 * 2**20  # 3 MiB per layer per state
+    # vLLM's layout: (1 + B) blocks, each a full state plus a (W-1+B)-column conv row, per GDN layer.
+    assert memory.persistent_bytes_per_request(s, 15) == 48 * 16 * (10240 * 18 * 2 + 3 * 2**20)
+    assert memory.workspace_bytes(s, 65) == 48 * 65 * 3 * 2**20
+    budgets = [memory.max_budget(s, 10 * 2**30, 1, m) for m in ("persistent", "workspace", "replay")]
+    assert budgets[0] < budgets[1] < budgets[2] == 128

@@ -1,0 +1,144 @@
+"""Gated delta-rule recurrence over a draft tree: vLLM's fused sigmoid-gating decode kernel, parent-aware.
+
+vLLM's ``fused_sigmoid_gating_delta_rule_update`` (``third_party/flash_linear_attention/ops/fused_sigmoid_gating.py``)
+keeps one running state per sequence in registers, so token t always continues from token t-1. Here node t
+continues from its parent: when the parent is t-1 (a chain stretch) the registers are reused; otherwise the
+parent's state is reloaded from the per-node state buffer, which every node writes after its update. The per-node
+states are also what lets the accepted path's last state be selected after the walk (relayout.py).
+
+The math per node is vLLM's, line for line (softplus gate, sigmoid beta, in-kernel q/k L2 norm, decay, delta
+update, read-out), in float32. Reloading a parent is lossless only if the node-state buffer is float32; with a
+bf16 buffer, nodes whose parent is not t-1 would see a rounded state that vLLM's chain never rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["T"])
+def _tree_gdn_kernel(
+    A_log, a, b, dt_bias, q, k, v, o, h0, hs,
+    cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices,
+    softplus_beta, threshold, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    stride_h0: tl.constexpr, stride_hs: tl.constexpr, stride_idx_seq: tl.constexpr,
+    IS_SPEC_DECODING: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    if T == 0:
+        return
+    if IS_SPEC_DECODING:
+        i_t0 = tl.load(num_accepted_tokens + i_n).to(tl.int64) - 1
+    else:
+        i_t0 = 0
+    state_idx = tl.load(ssm_state_indices + i_n * stride_idx_seq + i_t0).to(tl.int64)
+    if state_idx <= 0:  # vLLM's NULL_BLOCK_ID = 0 marks a padded sequence
+        return
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+    h_off = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    b_h = tl.load(h0 + state_idx * stride_h0 + h_off, mask=mask_h, other=0).to(tl.float32)
+    A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    for i_t in range(0, T):
+        tok = bos + i_t
+        par = tl.load(parents + tok).to(tl.int64)
+        if (i_t > 0) & (par != i_t - 1):
+            p_idx = tl.load(node_state_indices + bos + par).to(tl.int64)
+            b_h = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
+        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+        b_b = tl.load(b + tok * HV + i_hv).to(tl.float32)
+        x = tl.load(a + tok * HV + i_hv).to(tl.float32) + dtb
+        softplus_x = tl.where(
+            softplus_beta * x <= threshold, (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)), x
+        )
+        b_g = -A * softplus_x
+        b_beta = tl.sigmoid(b_b)
+        if USE_QK_L2NORM_IN_KERNEL:
+            b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
+            b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+        b_q = b_q * scale
+        b_h *= tl.exp(b_g)
+        b_v -= tl.sum(b_h * b_k[None, :], 1)
+        b_v *= b_beta
+        b_h += b_v[:, None] * b_k[None, :]
+        b_o = tl.sum(b_h * b_q[None, :], 1)
+        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        s_idx = tl.load(node_state_indices + tok).to(tl.int64)
+        if s_idx >= 0:
+            tl.store(hs + s_idx * stride_hs + h_off, b_h.to(hs.dtype.element_ty), mask=mask_h)
+        # A later sibling may reload this state from other threads of the block.
+        tl.debug_barrier()
+
+
+def tree_fused_sigmoid_gating_delta_rule_update(
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dt_bias: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    parents: torch.Tensor,
+    beta: float = 1.0,
+    threshold: float = 20.0,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    node_states: torch.Tensor | None = None,
+    node_state_indices: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``fused_sigmoid_gating_delta_rule_update`` (varlen, continuous batching) over trees.
+
+    Same tensors as vLLM: q, k ``[1, T, H, K]``; v ``[1, T, HV, V]``; a, b ``[T, HV]``; initial_state
+    ``[slots, HV, V, K]``; cu_seqlens ``[N+1]``; ssm_state_indices ``[N]`` or ``[N, >=1]`` with the initial state
+    read from column ``num_accepted_tokens - 1`` (column 0 without it); index <= 0 skips the sequence. New:
+    parents ``[T]`` (sequence-relative, root -1, ``parents[i] < i``); node_states ``[S, HV, V, K]`` receives node
+    t's state at row ``node_state_indices[t]`` (< 0: not stored; every node with a child other than the next
+    token must be stored). Pass vLLM's own cache plus the spec slot ids to keep per-node states persistent, or
+    leave both None for a transient float32 workspace ``[T, HV, V, K]``. Returns (o ``[1, T, HV, V]``,
+    node_states). Unlike vLLM, initial_state is never written.
+    """
+    _, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    assert q.shape[0] == 1 and cu_seqlens is not None and ssm_state_indices is not None and initial_state is not None
+    assert HV % H == 0 and parents.shape[0] == T
+    N = cu_seqlens.shape[0] - 1
+    BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 32)
+    scale = K**-0.5 if scale is None else scale
+    if node_states is None:
+        node_states = torch.empty(T, HV, V, K, dtype=torch.float32, device=q.device)
+        node_state_indices = torch.arange(T, dtype=torch.int32, device=q.device)
+    assert node_state_indices is not None and node_state_indices.shape[0] == T
+    assert node_states.is_contiguous() or node_states.stride()[1:] == (V * K, K, 1)
+    stride_idx_seq = ssm_state_indices.stride(0) if ssm_state_indices.ndim == 2 else 1
+    if ssm_state_indices.ndim == 1:
+        assert num_accepted_tokens is None, "1-D ssm_state_indices has a single column"
+    o = q.new_empty(1, T, HV, V)
+    _tree_gdn_kernel[(triton.cdiv(V, BV), N * HV)](
+        A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(), v.contiguous(), o,
+        initial_state, node_states, cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices,
+        beta, threshold, scale, T,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        stride_h0=initial_state.stride(0), stride_hs=node_states.stride(0), stride_idx_seq=stride_idx_seq,
+        IS_SPEC_DECODING=num_accepted_tokens is not None, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
+        num_warps=4,
+    )
+    return o, node_states

@@ -53,7 +53,9 @@ phase_train() {
 }
 
 phase_tests() {
-  VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout 300 python3 -m pytest -x -q -p no:cacheprovider \
+  # The no-spec reference on DDTree's runner and attention backend: differences are then DDTree's, not rounding's.
+  VLLM_USE_V2_MODEL_RUNNER=0 VLLM_DDTREE_TEST_ATTENTION_BACKEND=TRITON_ATTN \
+  VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -x -q -p no:cacheprovider \
     tests/engine/test_ddtree_engine.py -k "batched or preemption or aborted" > "$RESULTS/tests.log" 2>&1
   tail -30 "$RESULTS/tests.log"
 }

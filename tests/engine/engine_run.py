@@ -136,8 +136,10 @@ def main() -> None:
         max_model_len=args.get("max_model_len", 512),
         max_num_seqs=args.get("max_num_seqs", 8),
         max_num_batched_tokens=args.get("max_num_batched_tokens", 1024),
-        # VLLM_DDTREE_TEST_CUDA_GRAPHS=1 (GPU sessions, tools/gpu_session.sh) runs the same checks with graphs on.
+        # GPU sessions (tools/gpu_session.sh) run the same checks with graphs on, and may put the no-spec reference
+        # on DDTree's attention backend (with VLLM_USE_V2_MODEL_RUNNER=0 also on its runner).
         enforce_eager=os.environ.get("VLLM_DDTREE_TEST_CUDA_GRAPHS") != "1",
+        attention_backend=os.environ.get("VLLM_DDTREE_TEST_ATTENTION_BACKEND"),
         tensor_parallel_size=tensor_parallel,
         distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
         seed=0,

@@ -55,6 +55,7 @@ def worker(args: dict) -> dict:
         enforce_eager=args["eager"],
         tensor_parallel_size=args["tensor_parallel_size"],
         attention_backend=args.get("attention_backend"),
+        load_format=args["load_format"],
         # On CPU gpu_memory_utilization budgets the worker's whole memory; an explicit KV size is what works there.
         gpu_memory_utilization=args["gpu_memory_utilization"] or 0.9,
         kv_cache_memory_bytes=None if args["gpu_memory_utilization"] else 512 << 20,
@@ -66,7 +67,9 @@ def worker(args: dict) -> dict:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                              add_generation_prompt=True)
                if getattr(tokenizer, "chat_template", None) else p for p in args["prompts"]]
-    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
+    # Random weights (--shape) generate ids past the tokenizer's vocabulary: keep token ids, skip the text.
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True,
+                            detokenize=args["load_format"] != "dummy")
     rows = []
     for batch in args["batch_sizes"]:
         if batch > len(prompts):
@@ -130,6 +133,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model")
     parser.add_argument("--drafter")
+    parser.add_argument("--shape", help="time a real model's shape with random in-memory weights "
+                        "(offline_models.SHAPES, e.g. qwen3-8b): no acceptance, so ratios are per-step costs (the "
+                        "tree tax); replaces --model/--drafter")
+    parser.add_argument("--draft-layers", type=int, default=1, help="drafter layers for --shape")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--chain-tokens", type=int, default=None, help="DFlash chain drafts (default: block - 1)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
@@ -159,24 +166,36 @@ def main() -> None:
     import torch
 
     on_gpu = torch.cuda.is_available()
-    model, drafter = (args.model, args.drafter) if args.model else default_models()
-    drafter = args.drafter or drafter
+    load_format = "auto"
+    if args.shape:
+        from vllm_ddtree import offline_models
+
+        model = str(offline_models.shaped_target_dir(args.shape))
+        # vLLM's DFlash drafter does not run on dummy weights (its fused context-KV buffers come from
+        # load_weights), so the drafter gets real random weights and its own load config.
+        drafter = str(offline_models.random_dflash_dir(model, block_size=16, num_layers=args.draft_layers))
+        load_format = "dummy"
+    else:
+        model, drafter = (args.model, args.drafter) if args.model else default_models()
+        drafter = args.drafter or drafter
     block = json.loads((Path(drafter) / "config.json").read_text()).get("block_size", 16)
     chain = args.chain_tokens or block - 1
-    chain_spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain}
+    drafter_load = {"draft_load_config": {"load_format": "auto"}} if load_format == "dummy" else {}
+    chain_spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain, **drafter_load}
     configs = [("no-spec", None, {}), ("dflash", chain_spec, {})]
     if args.chain_v1:
         configs.append(("dflash V1", chain_spec, {"VLLM_USE_V2_MODEL_RUNNER": "0"}))
     if args.same_backend_baselines and on_gpu:
         same = {"VLLM_USE_V2_MODEL_RUNNER": "0", "BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
         configs += [("no-spec V1+tri", None, same), ("dflash V1+tri", chain_spec, same)]
-    configs += [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b}, {})
-                for b in args.budgets]
+    configs += [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
+                 {}) for b in args.budgets]
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs]
     base = {
         "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"),
         "prompts": load_prompts(args.prompt_set, args.num_prompts), "tensor_parallel_size": args.tensor_parallel_size,
+        "load_format": load_format,
         "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "batch_sizes": args.batch_sizes,
         "eager": args.eager, "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
         "in_process": not on_gpu and args.tensor_parallel_size == 1,
@@ -184,7 +203,7 @@ def main() -> None:
     meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
             "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "dtype": base["dtype"],
             "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),
-            "tensor_parallel_size": args.tensor_parallel_size}
+            "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape}
     results: dict[str, dict | None] = {}
     for name, spec, env in configs:
         cmd = [sys.executable, __file__, "--worker", json.dumps({**base, "spec": spec})]

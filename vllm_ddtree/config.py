@@ -100,6 +100,7 @@ def validate_ddtree_drafter(spec: Any) -> None:
         raise DDTreeConfigError(
             f"ddtree needs a DFlash drafter (architecture DFlashDraftModel); {spec.model} has {archs or 'none'}"
         )
+    _refuse_drafter_for_another_target(spec, hf_config)
     block_size = drafter_block_size(hf_config)
     max_depth = block_size - 1
     if spec.tree_depth is None:
@@ -110,6 +111,35 @@ def validate_ddtree_drafter(spec: Any) -> None:
             f"(block_size {block_size} - 1 = {max_depth}); use tree_depth <= {max_depth}"
         )
     spec.num_speculative_tokens = max(spec.tree_budget, spec.tree_depth)
+
+
+def _refuse_drafter_for_another_target(spec: Any, hf_config: Any) -> None:
+    """A drafter built for another target passes vLLM's checks, starts, and then kills the engine on the first
+    request (shape errors in the drafter's fc or the shared embedding / lm_head): refuse it at start-up instead."""
+    target = getattr(spec, "target_model_config", None)
+    if target is None:
+        return
+    fix = "use a DFlash drafter trained for this target"
+    target_hidden, target_vocab = target.get_hidden_size(), target.get_vocab_size()
+    target_layers = target.hf_text_config.num_hidden_layers
+    reads_hidden = getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size
+    if reads_hidden != target_hidden:
+        raise DDTreeConfigError(
+            f"the DFlash drafter {spec.model} reads target hidden states of size {reads_hidden}, but the target's "
+            f"hidden size is {target_hidden}: {fix}"
+        )
+    if hf_config.vocab_size != target_vocab:
+        raise DDTreeConfigError(
+            f"the DFlash drafter {spec.model} has vocab size {hf_config.vocab_size}, the target {target_vocab}; "
+            f"ddtree needs the drafter to share the target's vocabulary: {fix}"
+        )
+    dflash = getattr(hf_config, "dflash_config", None) or {}
+    layer_ids = (dflash.get("target_layer_ids") if isinstance(dflash, dict) else None) or []
+    if any(not -1 <= i < target_layers for i in layer_ids):
+        raise DDTreeConfigError(
+            f"the DFlash drafter {spec.model} reads target layers {list(layer_ids)}, but the target has "
+            f"{target_layers} layers: {fix}"
+        )
 
 
 def drafter_block_size(hf_config: Any) -> int:

@@ -601,6 +601,42 @@ def greedy_continuations(model_dir: Path, prompts: list[str], max_new_tokens: in
 # --------------------------------------------------------------------------------------------------------------
 # Recipe 3: random-weight DFlash drafter for a target
 # --------------------------------------------------------------------------------------------------------------
+# Real models' shapes, for timing with random weights that vLLM makes in memory (``load_format="dummy"``): only
+# config.json (and a tokenizer) is written, so an 8B-shaped target costs no disk and no transfer.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": dict(arch="qwen3", num_layers=36, hidden_size=4096, intermediate_size=12288, num_heads=32,
+                     num_kv_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+                     max_position_embeddings=40960),
+    "qwen3-32b": dict(arch="qwen3", num_layers=64, hidden_size=5120, intermediate_size=25600, num_heads=64,
+                      num_kv_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+                      max_position_embeddings=40960),
+    "tiny": dict(arch="qwen3", num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                 head_dim=64, vocab_size=49152, rope_theta=10000.0, max_position_embeddings=2048),
+}
+
+
+def shaped_target_dir(shape: str, *, tokenizer_dir: str | os.PathLike | None = None,
+                      cache: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """A config-only target of a real model's shape (``SHAPES``) with SmolLM2's tokenizer: load it in vLLM with
+    ``load_format="dummy"``. Token ids past the tokenizer's vocabulary can be generated: don't detokenize.
+    ``random_dflash_dir`` makes a drafter for it (with weights: vLLM's DFlash drafter needs loaded weights)."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    cache = cache_dir(cache)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else smollm2_dir(cache)
+    params = {**TINY_DEFAULTS, **SHAPES[shape], "tie_word_embeddings": False}
+    tok_files = sorted(f for f in TOKENIZER_FILES if (tok_dir / f).is_file())
+    recipe = {"recipe": "shaped-target", "shape": shape, "params": params}
+
+    def build(tmp: Path) -> None:
+        ids = _tokenizer_ids(tok_dir)
+        _tiny_config(params["arch"], params, ids).save_pretrained(tmp)
+        for f in tok_files:
+            shutil.copy2(tok_dir / f, tmp / f)
+
+    return _build_atomic(cache / f"shaped-{shape}", recipe, build, force=force)
+
+
 def _draft_heads(target_cfg: dict) -> tuple[int, int, int]:
     """(q heads, kv heads, head_dim) for the drafter: the target's when both head counts are even (TP=2),
     else 8 q / 4 kv heads with the target's head_dim."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 
@@ -51,6 +53,10 @@ def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
         ({"disable_padded_drafter_batch": True}, "disable_padded_drafter_batch"),
         ({"tree_budget": 8}, "give the budget as num_speculative_tokens"),
         ({"bogus_key": 1}, "bogus_key"),
+        ({"num_speculative_tokens": -1}, "greater than 0"),
+        ({"num_speculative_tokens": 8.5}, "valid integer"),
+        ({"tree_depth": 2.5}, "valid integer"),
+        ({"tree_depth": 33}, r"tree_depth must be in \[1, 32\]"),
     ],
 )
 def test_refused_settings_name_the_fix(tiny_llama_dir, tiny_llama_dflash_dir, spec, message):
@@ -66,6 +72,45 @@ def test_refuses_a_drafter_that_is_not_dflash(tiny_llama_dir, tiny_qwen3_dir):
 def test_refuses_missing_drafter(tiny_llama_dir):
     with pytest.raises(Exception, match='needs a DFlash drafter: add "model"'):
         engine_config(tiny_llama_dir, method="ddtree", num_speculative_tokens=4)
+
+
+def test_refuses_a_drafter_path_that_does_not_exist(tiny_llama_dir, tmp_path):
+    with pytest.raises(Exception, match="Invalid repository ID or local directory"):
+        engine_config(tiny_llama_dir, method="ddtree", model=str(tmp_path / "missing"), num_speculative_tokens=4)
+
+
+def test_numeric_strings_are_coerced(tiny_llama_dir, tiny_llama_dflash_dir):
+    spec = engine_config(
+        tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens="4", tree_depth="3"
+    ).speculative_config
+    assert (spec.tree_budget, spec.tree_depth) == (4, 3)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"hidden_size": 576}, "reads target hidden states of size 576, but the target's hidden size is 256"),
+        ({"target_hidden_size": 512}, "reads target hidden states of size 512"),
+        ({"vocab_size": 32000}, "has vocab size 32000, the target 49152"),
+        ({"dflash_config": {"mask_token_id": 0, "target_layer_ids": [1, 2, 3, 4, 8]}}, "the target has 8 layers"),
+    ],
+)
+def test_refuses_a_drafter_built_for_another_target(tiny_llama_dir, tiny_llama_dflash_dir, tmp_path, changes, message):
+    """Such a drafter passed vLLM's checks and then killed the engine on the first request (fc shape error)."""
+    config = json.loads((tiny_llama_dflash_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))  # config checks never load weights
+    with pytest.raises(Exception, match=message):
+        engine_config(tiny_llama_dir, method="ddtree", model=str(tmp_path), num_speculative_tokens=4)
+
+
+def test_malformed_speculative_config_json_is_a_usage_error(tiny_llama_dir, capsys):
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--model", str(tiny_llama_dir), "--speculative-config", '{"method": "ddtree", "model"'])
+    assert exit_info.value.code == 2 and "--speculative-config" in capsys.readouterr().err
 
 
 def test_tree_depth_needs_ddtree(tiny_llama_dir, tiny_llama_dflash_dir):

@@ -2,70 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
+import urllib.error
 
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url: str, body: dict, stream: bool = False):
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    response = urllib.request.urlopen(request, timeout=300)
-    if not stream:
-        return json.loads(response.read())
-    events = []
-    for raw in response:
-        line = raw.decode().strip()
-        if line.startswith("data: ") and line != "data: [DONE]":
-            events.append(json.loads(line[len("data: ") :]))
-    return events
+from loopback_server import http_error, post, serve
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tiny_llama_dflash_dir):
-    port = free_port()
     spec = {"method": "ddtree", "model": str(tiny_llama_dflash_dir), "num_speculative_tokens": 8}
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-        "--max-num-seqs", "4", "--max-num-batched-tokens", "1024", "--enforce-eager",
-        "--speculative-config", json.dumps(spec),
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 420
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited ({proc.returncode}):\n{proc.stdout.read()[-6000:]}")
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise AssertionError("server did not become healthy in time")
-            time.sleep(2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    args = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "1024"]
+    with serve(tiny_llama_dir, spec=spec, args=args) as srv:
+        yield srv.base
 
 
 def test_completions_greedy_equal_no_spec(server, tiny_llama_dir, prompt_ids, reference):
@@ -101,3 +49,42 @@ def test_unsupported_request_gets_a_400_and_the_server_keeps_serving(server, tin
     assert err.value.code == 400 and b"presence_penalty" in err.value.read()
     ok = post(server + "/v1/completions", {**body, "presence_penalty": 0.0})
     assert ok["choices"][0]["text"] is not None
+
+
+@pytest.mark.parametrize(
+    "endpoint, setting, message",
+    [
+        ("completions", {"frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported with ddtree"),
+        ("completions", {"repetition_penalty": 1.2}, "repetition_penalty=1.2 is not supported with ddtree"),
+        ("completions", {"min_tokens": 2}, "min_tokens=2 is not supported with ddtree"),
+        ("completions", {"bad_words": ["the"]}, "bad_words is not supported with ddtree"),
+        ("completions", {"structured_outputs": {"choice": ["yes", "no"]}}, "structured outputs are not supported"),
+        ("completions", {"response_format": {"type": "json_object"}}, "structured outputs are not supported"),
+        ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+         "structured outputs are not supported"),
+        ("completions", {"min_p": 0.1}, "min_p and logit_bias"),  # vLLM's own, for every speculative method
+        ("completions", {"logit_bias": {"5": 3.0}}, "min_p and logit_bias"),
+    ],
+)
+def test_each_unsupported_setting_is_a_400_naming_it(server, tiny_llama_dir, endpoint, setting, message):
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if endpoint.startswith("chat") else {"prompt": "Hi"}
+    code, text = http_error(f"{server}/v1/{endpoint}", {"model": str(tiny_llama_dir), **prompt, "max_tokens": 4,
+                                                        **setting})
+    assert code == 400 and message in text
+    assert post(server + "/v1/completions", {"model": str(tiny_llama_dir), "prompt": "Hi", "max_tokens": 2})
+
+
+def test_supported_request_settings_work(server, tiny_llama_dir, prompt_ids, reference):
+    """n > 1, best_of, logprobs, prompt logprobs and allowed_token_ids pass the ddtree checks and answer correctly."""
+    base = {"model": str(tiny_llama_dir), "prompt": prompt_ids[0], "max_tokens": 8, "ignore_eos": True,
+            "return_token_ids": True}
+    sampled = post(server + "/v1/completions", {**base, "n": 2, "best_of": 2, "temperature": 0.8, "seed": 1})
+    assert len(sampled["choices"]) == 2 and all(len(c["token_ids"]) == 8 for c in sampled["choices"])
+    greedy = post(server + "/v1/completions", {**base, "temperature": 0, "logprobs": 2, "prompt_logprobs": 1})
+    choice = greedy["choices"][0]
+    assert choice["token_ids"] == reference[0][:8]
+    assert len(choice["logprobs"]["top_logprobs"]) == 8 and all(len(t) >= 2 for t in choice["logprobs"]["top_logprobs"])
+    assert len(choice["prompt_logprobs"]) == len(prompt_ids[0])
+    allowed = [reference[0][0], 100, 200]
+    masked = post(server + "/v1/completions", {**base, "temperature": 0, "allowed_token_ids": allowed})
+    assert set(masked["choices"][0]["token_ids"]) <= set(allowed)

@@ -121,3 +121,35 @@ def test_trained_drafter_in_vllm_ddtree_is_lossless(tiny_llama_dir, trained_draf
     stats = result["spec_decode"]
     assert stats["vllm:spec_decode_num_drafts"] > 0
     assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 4, stats
+
+
+def test_vllm_generator_matches_hf_generator(tiny_llama_dir, prompt_ids, tmp_path):
+    """``generator="vllm"`` (vLLM's offline LLM in a subprocess, then one teacher-forced HF forward per batch): the
+    greedy continuations equal transformers' greedy ones (float32), their features equal the generation pass's, and
+    the seeded T=1 samples differ from each other."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prompts = [{"source": "engine", "id": str(i), "ids": ids} for i, ids in enumerate(prompt_ids[:3])]
+        built = {}
+        for gen in ("hf", "vllm"):
+            opts = td.DataOptions(max_new_tokens=16, greedy=1, sampled=2 if gen == "vllm" else 0, generator=gen,
+                                  feature_dtype="float32")
+            data = td.prepare_data(tiny_llama_dir, tmp_path / gen, train_prompts=prompts, heldout_prompts=prompts[:1],
+                                   opts=opts, device="cpu")
+            built[gen] = td.load_data(data)
+    finally:
+        torch.set_num_threads(old)
+    (_, hf, _), (meta, vl, vl_held) = built["hf"], built["vllm"]
+    assert meta["generator"] == "vllm" and len(vl) == 9 and len(vl_held) == 1
+
+    def seq(split, i):
+        return split.ids[split.offsets[i]: split.offsets[i + 1]].tolist()
+
+    for i in range(3):
+        assert seq(vl, i) == seq(hf, i)  # greedy
+        o, n = vl.offsets[i], vl.seq_len(i)
+        torch.testing.assert_close(vl.feats[o: o + n], hf.feats[o: o + n], atol=3e-4, rtol=1e-4)
+        assert vl.feats[o + n - 1].abs().max() == 0
+        assert seq(vl, 3 + i) != seq(vl, 6 + i)  # two T=1 samples of one prompt (child seeds seed + index)
+        assert vl.prompt_lens[3 + i] == vl.prompt_lens[6 + i] == len(prompt_ids[i])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -253,3 +254,105 @@ def test_batches_depend_only_on_seed_and_step(data_dir):
     assert real.sum() >= 4 * 4
     for b in range(anchors.shape[0]):
         assert (anchors[b][real[b]] <= feats.shape[1]).all()
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_teacher_forced_features_equal_generation_pass(target, sample):
+    """generator="vllm" takes features from one teacher-forced forward per batch of whole sequences (ragged, right
+    padded); for the same token sequences they equal the HF generation pass's features (float32), last row zero."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    layer_ids = [1, 2, 3, 4, 5]
+    prompts = [tok(t).input_ids for t in TEXTS[:4]]
+    gen = td.generate_with_features(model, tok, prompts, layer_ids, max_new_tokens=10, sample=sample, seed=1,
+                                    batch_size=4, feature_dtype=torch.float32)
+    # a small token budget forces several batches with different widths
+    tf = td.teacher_forced_features(model, [ids for ids, _ in gen], layer_ids, batch_tokens=40,
+                                    feature_dtype=torch.float32)
+    for (ids, fg), ft in zip(gen, tf):
+        assert ft.shape == fg.shape == (len(ids), 5 * model.config.hidden_size)
+        torch.testing.assert_close(ft, fg, atol=3e-4, rtol=1e-4)  # decode-step vs full-forward matmul order
+        assert ft[-1].abs().max() == 0
+
+
+def test_online_features_equal_stored(data_dir, target):
+    """features="online": make_batch recomputes the context rows with the target; they equal the stored ones."""
+    meta, train, _ = td.load_data(data_dir)
+    _, online, _ = td.load_data(data_dir)
+    online.feats = None
+    td.attach_online_features([online], target, meta["layer_ids"], torch.device("cpu"))
+    seqs = [0, 5, 9]
+    anchor_lists = [list(train.anchors(0))[:3], list(train.anchors(5))[-2:], [train.anchors(9)[0]]]
+    a = td.make_batch(train, seqs, anchor_lists, 8, 16)
+    b = td.make_batch(online, seqs, anchor_lists, 8, 16)
+    for x, y in zip(a[1:], b[1:]):
+        assert torch.equal(x, y)
+    # stored features are bf16 (the data fixture's default): compare at bf16 resolution
+    torch.testing.assert_close(b[0].to(torch.bfloat16).float(), a[0].float(), atol=0.02, rtol=0.01)
+
+
+def test_data_online_features_store_ids_only(target, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    prompts = [{"source": "unit", "id": str(i), "ids": tok(t).input_ids} for i, t in enumerate(TEXTS[:2])]
+    opts = td.DataOptions(max_new_tokens=8, greedy=1, sampled=0, features="online")
+    out = td.prepare_data(target, tmp_path / "d", opts=opts, train_prompts=prompts, heldout_prompts=prompts[:1],
+                          device="cpu")
+    with safe_open(str(out / "train.safetensors"), framework="pt") as fh:
+        assert set(fh.keys()) == {"ids", "offsets", "prompt_lens"}
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["features"] == "online" and meta["recipe"]["options"]["features"] == "online"
+    # the late options stay out of the cache key at their defaults (caches built before them stay valid)
+    assert "features" not in td.data_recipe(target, [1], td.DataOptions())["options"]
+
+
+def test_prompt_sources_are_seeded_and_disjoint_from_heldout():
+    from transformers import AutoTokenizer
+
+    a, b = td.math_word_problems(300, seed=0), td.math_word_problems(300, seed=0)
+    assert a == b and len(set(a)) == 300 and a != td.math_word_problems(300, seed=1)
+    gsm = {c["prompt"] for c in td.gsm8k_cases()}
+    assert not gsm & set(a)
+    fns = td.stdlib_functions(20, seed=0)
+    assert len(fns) == 20 and all(f.startswith(("def ", "@")) for f in fns)
+    assert all('"""' in f or "'''" in f for f in fns)
+    tok = AutoTokenizer.from_pretrained(str(om.tiny_target_dir("llama")))
+    train, heldout = td.build_prompts(tok, humaneval=200, mtbench=80, stdlib=2, heldout_gsm8k=4,
+                                      heldout_humaneval=8, seed=0, max_prompt_tokens=10_000, mtbench_turns=2,
+                                      math=5, code_tasks=3, truthfulqa=4, hellaswag=4)
+    sources = [p["source"] for p in train]
+    assert sources.count("humaneval") == 164 - 8 and sources.count("mtbench") == sources.count("mtbench2") == 80
+    assert {s: sources.count(s) for s in ("stdlib", "stdlib_fn", "math", "truthfulqa", "hellaswag")} == {
+        "stdlib": 2, "stdlib_fn": 3, "math": 5, "truthfulqa": 4, "hellaswag": 4}
+    held = {tuple(p["ids"]) for p in heldout}
+    assert len(heldout) == 12 and not held & {tuple(p["ids"]) for p in train}
+
+
+def test_lr_schedule_follows_time_budget():
+    o = td.TrainOptions(steps=1000, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert td._lr_at(5, o, time_frac=0.9) == pytest.approx(0.6)  # warm-up is by steps
+    assert td._lr_at(100, o) > 0.9
+    assert td._lr_at(100, o, time_frac=1.0) == pytest.approx(0.1)  # budget spent: at the floor
+    assert td._lr_at(100, o, time_frac=0.5) == pytest.approx(0.55)
+    assert td._lr_at(900, o, time_frac=0.0) == td._lr_at(900, o)  # steps ahead of time: steps rule
+
+
+def test_epochs_dropout_and_keep_best(data_dir, target, tmp_path):
+    _, train, _ = td.load_data(data_dir)
+    opts = td.TrainOptions(epochs=0.5, batch_size=2, anchors_per_seq=4, dropout=0.1, eval_every=2, eval_anchors=4,
+                           keep_best=True, **FAST)
+    log = td.train(target, tmp_path / "k", data_dir, opts, device="cpu")
+    steps = math.ceil(0.5 * train.num_anchors() / (2 * 4))
+    assert log["steps_done"] == steps
+    subset = [e for e in log["evals"] if e["subset"]]
+    assert len(subset) == (steps - 1) // 2 + 1  # periodic evals + the last step's
+    best = max(subset, key=lambda e: (e["tau_chain_est"], -e["ce"]))
+    assert log["exported_step"] == best["step"]
+    # same seed, same dropout masks: reproducible
+    log2 = td.train(target, tmp_path / "k2", data_dir, opts, device="cpu")
+    assert log2["loss"] == log["loss"]
+    assert all(torch.equal(x, y) for x, y in zip(_tensors(tmp_path / "k").values(), _tensors(tmp_path / "k2").values()))

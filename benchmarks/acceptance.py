@@ -50,14 +50,12 @@ def heldout_prompts(target: str, num_gsm8k: int, num_humaneval: int,
 
     td = _train_dflash()
     tok = AutoTokenizer.from_pretrained(target)
-    ids = td.gsm8k_prompt_ids(tok, num_gsm8k, start=gsm8k_start)
-    names = [c["id"] for c in td.gsm8k_cases()[gsm8k_start: gsm8k_start + num_gsm8k]]
-    tail = td.humaneval_tasks()[-td.DataOptions().heldout_humaneval:]
-    if num_humaneval > len(tail):
-        raise SystemExit(f"--num-humaneval {num_humaneval}: only the last {len(tail)} HumanEval tasks are held out")
-    for t in tail[:num_humaneval]:
-        ids.append(td._chat_ids(tok, td._humaneval_text(t)))
-        names.append(t["task_id"])
+    try:
+        prompts = td.heldout_texts(num_gsm8k, num_humaneval, gsm8k_start)
+    except ValueError as e:
+        raise SystemExit(f"--num-humaneval: {e}") from None
+    ids = [td._chat_ids(tok, text) for _, text in prompts]
+    names = [name for name, _ in prompts]
     return ids, names
 
 

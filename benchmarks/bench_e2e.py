@@ -115,9 +115,7 @@ def load_prompts(prompt_set: str, limit: int | None) -> list[str]:
         sys.path.insert(0, str(ROOT / "tools"))
         import train_dflash
 
-        heldout = train_dflash.DataOptions().heldout_humaneval
-        prompts = [c["prompt"] for c in train_dflash.gsm8k_cases()]
-        prompts += [train_dflash._humaneval_text(t) for t in train_dflash.humaneval_tasks()[-heldout:]]
+        prompts = [text for _, text in train_dflash.heldout_texts()]
     return prompts[:limit] if limit else prompts
 
 

@@ -91,14 +91,14 @@ phase_core() {
 }
 
 phase_e2e() {
-  local drafter=${E2E_DRAFTER:-$TRAINED}
-  [[ -f $drafter/model.safetensors ]] || drafter=$(python3 -c 'from vllm_ddtree import offline_models as om
-print(om.random_dflash_dir(om.smollm2_dir(), block_size=16))')
-  timeout "${E2E_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$(python3 -c 'from vllm_ddtree import \
-offline_models as om; print(om.smollm2_dir())')" --drafter "$drafter" --prompt-set heldout \
-    --num-prompts "${NUM_PROMPTS:-24}" --budgets ${BUDGETS:-16 32 64} --batch-sizes ${BATCHES:-1 8} \
-    --max-tokens "${MAX_TOKENS:-128}" --chain-v1 --same-backend-baselines ${E2E_ARGS:-} \
-    --out "$RESULTS/bench_e2e.json" > "$RESULTS/e2e.log" 2>&1
+  local target random drafter=${E2E_DRAFTER:-$TRAINED}
+  read -r target random < <(python3 -c 'from vllm_ddtree import offline_models as om
+t = om.smollm2_dir(); print(t, om.random_dflash_dir(t, block_size=16))')
+  [[ -f $drafter/model.safetensors ]] || drafter=$random
+  timeout "${E2E_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
+    --prompt-set heldout --num-prompts "${NUM_PROMPTS:-24}" --budgets ${BUDGETS:-16 32 64} \
+    --batch-sizes ${BATCHES:-1 8} --max-tokens "${MAX_TOKENS:-128}" --chain-v1 --same-backend-baselines \
+    ${E2E_ARGS:-} --out "$RESULTS/bench_e2e.json" > "$RESULTS/e2e.log" 2>&1
   tail -40 "$RESULTS/e2e.log"
 }
 

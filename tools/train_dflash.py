@@ -304,6 +304,18 @@ def _humaneval_text(task: dict) -> str:
     return "Complete the following Python function.\n\n```python\n" + task["prompt"] + "```"
 
 
+def heldout_texts(num_gsm8k: int | None = None, num_humaneval: int | None = None,
+                  gsm8k_start: int = 0) -> list[tuple[str, str]]:
+    """(name, user text) of the prompts benchmarks measure on, never trained on: GSM8K cases from ``gsm8k_start``,
+    then the HumanEval tail that ``DataOptions.heldout_humaneval`` holds out (None: all of each)."""
+    cases = gsm8k_cases()[gsm8k_start:]
+    tail = humaneval_tasks()[-DataOptions().heldout_humaneval:]
+    if num_humaneval is not None and num_humaneval > len(tail):
+        raise ValueError(f"{num_humaneval} HumanEval prompts asked for: only the last {len(tail)} tasks are held out")
+    return ([(c["id"], c["prompt"]) for c in cases[:num_gsm8k]]
+            + [(t["task_id"], _humaneval_text(t)) for t in tail[:num_humaneval]])
+
+
 def build_prompts(tok, *, humaneval: int, mtbench: int, stdlib: int, heldout_gsm8k: int, heldout_humaneval: int,
                   seed: int, max_prompt_tokens: int, mtbench_turns: int = 1, math: int = 0, code_tasks: int = 0,
                   truthfulqa: int = 0, hellaswag: int = 0) -> tuple[list[dict], list[dict]]:
@@ -435,13 +447,19 @@ def _check_layer_ids(model, layer_ids: list[int]) -> None:
         raise ValueError(f"target layer ids {layer_ids} must be < num_hidden_layers - 1 = {n_layers - 1}")
 
 
+def layer_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate the drafter's target layers from HF ``hidden_states``: layer id i is ``hidden_states[i + 1]``
+    (the output of decoder layer i; entry 0 is the embeddings), as vLLM's aux capture of layer i + 1."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
 @torch.no_grad()
 def target_features(model, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     """Teacher-forced target features of right-padded ids [B, T] -> [B, T, n*H] (row t = concat over ids of HF
     ``hidden_states[id + 1][t]``). Causal attention: padding after a sequence never changes its rows, so no mask."""
     out = model(input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True, logits_to_keep=1,
                 use_cache=False)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return layer_features(out.hidden_states, layer_ids)
 
 
 @torch.no_grad()
@@ -566,8 +584,8 @@ def generate_with_features(model, tok, prompts: list[list[int]], layer_ids: list
         torch.manual_seed(seed * 100_003 + bi)
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), generation_config=gen_cfg)
         steps = out.hidden_states  # step 0: prefill [B, width, H] per layer; step t: [B, 1, H]
-        prefill = torch.cat([steps[0][i + 1] for i in layer_ids], dim=-1).float().cpu()
-        decode = (torch.cat([torch.cat([s[i + 1] for i in layer_ids], dim=-1) for s in steps[1:]], dim=1).float().cpu()
+        prefill = layer_features(steps[0], layer_ids).float().cpu()
+        decode = (torch.cat([layer_features(s, layer_ids) for s in steps[1:]], dim=1).float().cpu()
                   if len(steps) > 1 else prefill[:, :0])
         new = out.sequences[:, width:].cpu()
         for r, i in enumerate(batch):

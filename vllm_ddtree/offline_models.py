@@ -531,8 +531,7 @@ def tiny_target_dir(arch: str = "llama", *, seed: int = 0, cache: str | os.PathL
 
     Defaults (``TINY_DEFAULTS``): 8 layers, hidden 256, 4 q / 2 kv heads, head_dim 64, intermediate 512,
     untied lm_head, N(0, std) init (see ``TINY_DEFAULTS``), bf16 safetensors; tokenizer and vocab (49152) from
-    SmolLM2. ``overrides``
-    change any ``TINY_DEFAULTS`` key (the directory name records non-defaults)."""
+    SmolLM2. ``overrides`` change any ``TINY_DEFAULTS`` key (the directory name records non-defaults)."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
     unknown = set(overrides) - set(TINY_DEFAULTS)
@@ -598,9 +597,6 @@ def greedy_continuations(model_dir: Path, prompts: list[str], max_new_tokens: in
     return outs
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Recipe 3: random-weight DFlash drafter for a target
-# --------------------------------------------------------------------------------------------------------------
 # Real models' shapes, for timing with random weights that vLLM makes in memory (``load_format="dummy"``): only
 # config.json (and a tokenizer) is written, so an 8B-shaped target costs no disk and no transfer.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -637,6 +633,9 @@ def shaped_target_dir(shape: str, *, tokenizer_dir: str | os.PathLike | None = N
     return _build_atomic(cache / f"shaped-{shape}", recipe, build, force=force)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Recipe 3: random-weight DFlash drafter for a target
+# --------------------------------------------------------------------------------------------------------------
 def _draft_heads(target_cfg: dict) -> tuple[int, int, int]:
     """(q heads, kv heads, head_dim) for the drafter: the target's when both head counts are even (TP=2),
     else 8 q / 4 kv heads with the target's head_dim."""

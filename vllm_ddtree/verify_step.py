@@ -28,7 +28,6 @@ class VerifyStep:
     row_starts_cpu: np.ndarray  # [num_reqs] first logits row of each request (its root's)
     row_request: torch.Tensor  # [num_logits_rows] request of each logits row (rows are root, node 1, ...)
     row_node: torch.Tensor  # [num_logits_rows] node index of each logits row
-    tree_rows_device: torch.Tensor  # [num_reqs] int32: r for a request verifying a tree, -1 otherwise
 
     @property
     def tree_requests(self) -> np.ndarray:
@@ -36,7 +35,27 @@ class VerifyStep:
         return np.flatnonzero(self.has_tree_cpu)
 
 
+@dataclass
+class StaticTreeInputs:
+    """What the GPU tree attention reads, at addresses fixed for the worker's lifetime, so a captured CUDA graph
+    replays every step with that step's trees: ``tree_rows[r]`` is r while request r verifies a tree, else -1 (a
+    causal request; it is -1 everywhere outside a verify step), ``ancestor_bits`` the verify step's trees."""
+
+    ancestor_bits: torch.Tensor  # [max_reqs, B+1, W] int32 (TreeBatch layout)
+    tree_rows: torch.Tensor  # [max_reqs] int32
+
+
 _current: VerifyStep | None = None
+_static: StaticTreeInputs | None = None
+
+
+def publish_static_inputs(inputs: StaticTreeInputs) -> None:
+    global _static
+    _static = inputs
+
+
+def static_inputs() -> StaticTreeInputs | None:
+    return _static
 
 
 def begin(step: VerifyStep) -> None:

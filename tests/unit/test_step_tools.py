@@ -60,3 +60,29 @@ def test_graphed_step_replays_the_captured_work():
         step(3)
         assert dst[:3].tolist() == [2 * value] * 3
     assert list(step.graphs) == [4]
+
+
+def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
+    """B=64 at 8 requests is 520 tokens, past vLLM's default 512-token graphs: say so at start-up, with the fix."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.proposer import _warn_if_trees_outgrow_graphs
+
+    def config(max_seqs, sizes, eager=False):
+        return SimpleNamespace(
+            compilation_config=SimpleNamespace(cudagraph_capture_sizes=sizes),
+            model_config=SimpleNamespace(enforce_eager=eager),
+            scheduler_config=SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=8192),
+        )
+
+    def warnings():
+        return [r.getMessage() for r in caplog.records if r.name == "vllm_ddtree"]
+
+    sizes = list(range(65, 513, 65))
+    with caplog.at_level("WARNING", logger="vllm_ddtree"):
+        _warn_if_trees_outgrow_graphs(config(7, sizes), 64)
+        _warn_if_trees_outgrow_graphs(config(8, sizes, eager=True), 64)
+        assert not warnings()
+        _warn_if_trees_outgrow_graphs(config(8, sizes), 64)
+    [message] = warnings()
+    assert "more than 7 requests" in message and '"max_cudagraph_capture_size": 520' in message

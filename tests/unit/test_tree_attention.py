@@ -309,3 +309,66 @@ def test_cpu_attn_layout(isa, bs):
     tree_attention_torch(c.q, kview, vview, out, c.qsl, c.seq_lens, c.block_table, c.bits, c.scale,
                          tree_rows=c.tree_rows)
     assert_close(out, c.dense_reference(), torch.float32)
+
+
+def test_shared_workspace_is_fixed_and_lowers_splits(monkeypatch):
+    """Without a caller workspace every call uses one fixed allocation (CUDA graphs keep the addresses they saw);
+    a split factor that would not fit it is lowered, and the result stays exact."""
+    from vllm_ddtree.attention import triton_tree
+
+    c = Case([100, 63], [9, 9], 8, 4, 2, 64, 16, torch.float32, seed=21)
+    monkeypatch.setattr(triton_tree, "WORKSPACE_ROWS", c.num_tokens * 2)
+    monkeypatch.setattr(triton_tree, "_WORKSPACES", {})
+    first = triton_tree.allocate_workspace(c.hq, c.d, "cpu")
+    ref = c.dense_reference()
+    assert_close(c.run_triton(num_kv_splits=8), ref, torch.float32)  # lowered to 2
+    assert_close(c.run_triton(num_kv_splits=2), ref, torch.float32)
+    assert triton_tree.allocate_workspace(c.hq, c.d, "cpu")[0].data_ptr() == first[0].data_ptr()
+    assert first[0].shape[0] == c.num_tokens * 2
+
+
+def test_graph_capture_warmup_shapes():
+    """vLLM warms captured graphs up with seq_lens 1 (< q_len): the kernel must stay in bounds, reading only each
+    request's first key (the clamped prefix is empty, so every row sees exactly key 0)."""
+    c = Case([40, 17], [9, 9], 8, 4, 2, 64, 16, torch.float32, seed=23, causal=(1,))
+    c.seq_lens.fill_(1)
+    out = c.run_triton()
+    g = c.hq // c.hkv
+    for r in range(c.R):
+        first_value = c.values[r][0].repeat_interleave(g, 0)  # [Hq, D]
+        torch.testing.assert_close(out[9 * r : 9 * (r + 1)], first_value.expand(9, -1, -1))
+
+
+def test_triton_backend_routes_target_layers_through_static_trees(monkeypatch):
+    """The GPU backend: a target layer runs every forward through the tree kernel, reading which requests verify a
+    tree from the static ``tree_rows`` (-1 = causal), so a captured graph replays correctly; other layers (the
+    drafter's) and the profiling run (no metadata) are vLLM's attention."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    from vllm_ddtree import verify_step
+    from vllm_ddtree.attention import backend
+
+    c = Case([17, 30], [8, 8], 7, 4, 2, 64, 16, torch.float32, seed=29, causal=(0,))
+    impl = backend.TreeTritonAttentionImpl.__new__(backend.TreeTritonAttentionImpl)
+    impl.num_heads, impl.head_size, impl.scale = c.hq, c.d, c.scale
+    tree_rows = torch.full((4,), -1, dtype=torch.int32)
+    tree_rows[1] = 1  # request 1 verifies the tree in row 1; request 0 is causal
+    monkeypatch.setattr(verify_step, "_static", verify_step.StaticTreeInputs(c.bits, tree_rows))
+    metadata = SimpleNamespace(
+        num_actual_tokens=c.num_tokens, seq_lens=c.seq_lens, query_start_loc=c.qsl, block_table=c.block_table,
+        max_query_len=8,
+    )
+    calls = []
+    monkeypatch.setattr(TritonAttentionImpl, "forward", lambda self, *a, **k: calls.append(a) or a[6])
+
+    def forward(metadata):
+        out = torch.full_like(c.q, float("nan"))
+        return impl.forward(None, c.q, None, None, c.kv, metadata, out)
+
+    assert torch.isnan(forward(metadata)).all() and len(calls) == 1  # not a target layer: vLLM's
+    impl.tree_layer = True
+    assert torch.isnan(forward(None)).all() and len(calls) == 2  # profiling run: vLLM's
+    assert_close(forward(metadata), c.dense_reference(), torch.float32)
+    assert len(calls) == 2

@@ -8,6 +8,8 @@ with the ancestor mask after vLLM wrote the step's K/V to the cache at linear sl
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
@@ -20,6 +22,9 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_ddtree import verify_step
 from vllm_ddtree.attention.torch_tree import cpu_attn_kv_views, tree_attention_torch
+
+# 0 = the tree kernel only in verify steps, with attention outside CUDA graphs (diagnosis; the pre-0.3 behaviour).
+TREE_KERNEL_IN_GRAPHS = os.environ.get("VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS", "1") == "1"
 
 
 def install() -> None:
@@ -43,12 +48,20 @@ def unsupported_feature(impl) -> str | None:
     return None
 
 
-def check_target_layers(layers: dict) -> None:
-    """Refuse, at start-up, a target whose attention the tree path cannot mask (``layers``: name -> Attention)."""
+def prepare_target_layers(layers: dict, device: torch.device) -> None:
+    """At start-up: refuse a target whose attention the tree path cannot mask, then route its layers
+    (``layers``: name -> Attention) through the tree kernel and allocate the kernel's split-KV workspace before
+    any graph is captured."""
     for name, layer in layers.items():
         problem = unsupported_feature(layer.impl)
         if problem is not None:
             raise NotImplementedError(f"ddtree does not support {problem} yet (target layer {name})")
+    for layer in layers.values():
+        if isinstance(layer.impl, TreeTritonAttentionImpl):
+            from vllm_ddtree.attention.triton_tree import allocate_workspace
+
+            layer.impl.tree_layer = True
+            allocate_workspace(layer.impl.num_heads, layer.impl.head_size, device)
 
 
 def _tree_step(impl, attn_metadata) -> verify_step.VerifyStep | None:
@@ -93,42 +106,57 @@ class TreeCPUAttentionBackend(CPUAttentionBackend):
 
 
 class TreeTritonAttentionImpl(TritonAttentionImpl):
-    """During a verify step, one launch of our tree-masked kernel replaces vLLM's unified attention for the whole
-    batch (tree requests masked, prefill chunks and plain decodes causal); otherwise vLLM's Triton attention.
+    """A target layer runs every forward through our tree-masked kernel (verify steps mask tree requests by
+    ``tree_rows``; prefill chunks and plain decodes are causal), reading the trees from static buffers, so vLLM can
+    capture the whole target forward, verify steps included, in full CUDA graphs. Other layers (the drafter's) are
+    vLLM's Triton attention unchanged.
 
     vLLM writes this step's K/V to the cache before ``forward`` (``forward_includes_kv_cache_update`` is False
     for this backend), so the kernel reads every key, tree nodes included, from the paged cache."""
 
+    tree_layer = False  # set on the target's layers by prepare_target_layers
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        step = _tree_step(self, attn_metadata)
-        if step is None:
+        inputs = verify_step.static_inputs()
+        use_tree_kernel = (
+            self.tree_layer
+            and inputs is not None
+            and attn_metadata is not None  # vLLM's profiling run
+            and (TREE_KERNEL_IN_GRAPHS or verify_step.current() is not None)
+        )
+        if not use_tree_kernel:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
             raise NotImplementedError("ddtree tree attention: fused output quantization is not supported")
         from vllm_ddtree.attention.triton_tree import tree_attention
 
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        n, r = attn_metadata.num_actual_tokens, step.num_reqs  # vLLM may pad requests past r: leave them out
+        # vLLM pads the batch of a captured graph with empty requests; the kernel skips them.
+        n, r = attn_metadata.num_actual_tokens, attn_metadata.seq_lens.shape[0]
         tree_attention(
             query[:n].view(n, self.num_heads, self.head_size),
             key_cache,
             value_cache,
             output[:n].view(n, self.num_heads, self.head_size),
             attn_metadata.query_start_loc[: r + 1],
-            attn_metadata.seq_lens[:r],
+            attn_metadata.seq_lens,
             attn_metadata.block_table[:r],
-            step.trees.ancestor_bits,
+            inputs.ancestor_bits,
             self.scale,
-            tree_rows=step.tree_rows_device,
+            tree_rows=inputs.tree_rows[:r],
             max_query_len=attn_metadata.max_query_len,
         )
         return output
 
 
 class TreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
-    # The tree pass is chosen in Python per step (verify_step.current()), which a captured CUDA graph would freeze:
-    # declaring no graph support makes vLLM run attention eagerly between piecewise graphs, so it stays correct.
-    _cudagraph_support = AttentionCGSupport.NEVER
+    """With the tree kernel inside graphs (the default), vLLM's own support level (ALWAYS) holds. Without it the
+    tree pass is chosen in Python per step, which a captured graph would freeze, so attention runs eagerly between
+    piecewise graphs (NEVER): the slow but simple path, kept for diagnosis."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.ALWAYS if TREE_KERNEL_IN_GRAPHS else AttentionCGSupport.NEVER
 
 
 class TreeTritonAttentionBackend(TritonAttentionBackend):

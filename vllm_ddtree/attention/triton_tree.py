@@ -149,7 +149,8 @@ def _tree_attn_kernel(
     if q0 >= q_len:
         return  # padding program of the static grid
     seq_len = tl.load(seq_lens_ptr + seq)
-    ctx = seq_len - q_len
+    # vLLM's graph-capture warm-up runs with seq_lens 1 < q_len: clamp so no tile index goes negative.
+    ctx = tl.maximum(seq_len - q_len, 0)
     if USE_TREE_ROWS:
         tree_row = tl.load(tree_rows_ptr + seq)
     else:
@@ -308,18 +309,40 @@ def launch_config(block_m: int, head_size: int, elem_size: int) -> tuple[int, in
     return 64, 4, 3
 
 
+# Token x split rows of the shared split-KV workspace; tree_attention lowers the split factor to fit. Split-KV pays
+# off only for small grids (few tokens), so this bound rarely binds.
+WORKSPACE_ROWS = 4096
+
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _cached_workspace(num_tokens, num_q_heads, head_size, num_kv_splits, device):
-    """One workspace per (heads, head size, splits, device), grown to the largest token count seen. Layers run one
-    after another on one stream, so they can share it: a layer's merge reads it before the next layer writes."""
-    key = (num_q_heads, _head_pad(head_size), num_kv_splits, str(device))
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws[0].shape[0] < num_tokens:
-        ws = split_workspace(max(num_tokens, 256), num_q_heads, head_size, num_kv_splits, device)
-        _WORKSPACES[key] = ws
-    return ws
+def _device_key(device: torch.device | str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
+
+
+def allocate_workspace(num_q_heads: int, head_size: int, device: torch.device | str):
+    """The split-KV workspace shared by every call with this head shape (layers run one after another on one
+    stream: a layer's merge reads it before the next layer writes). Fixed size, allocated once: call this before
+    CUDA graph capture, since a captured launch keeps the addresses it saw."""
+    key = (num_q_heads, _head_pad(head_size), _device_key(device))
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = split_workspace(WORKSPACE_ROWS, num_q_heads, head_size, 1, device)
+    return _WORKSPACES[key]
+
+
+def _shared_workspace(num_tokens, num_q_heads, head_size, num_kv_splits, device):
+    """Views of the shared workspace shaped for one call (``num_tokens * num_kv_splits <= WORKSPACE_ROWS``)."""
+    acc, row_max, row_sum = allocate_workspace(num_q_heads, head_size, device)
+    shape = (num_tokens, num_q_heads, num_kv_splits)
+    n = num_tokens * num_q_heads * num_kv_splits
+    return (
+        acc.view(-1)[: n * acc.shape[-1]].view(*shape, acc.shape[-1]),
+        row_max.view(-1)[:n].view(shape),
+        row_sum.view(-1)[:n].view(shape),
+    )
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -375,7 +398,7 @@ def tree_attention(
     ``max_query_len`` (a host int, e.g. vLLM's ``max_query_len``; default ``B+1``) only tunes the tile shape:
     any value is correct because the grid covers every token. ``num_kv_splits``: None = auto (``auto_kv_splits``;
     always 1 on CPU), 1 = single pass, > 1 (a power of 2) uses ``workspace`` from ``split_workspace``, or else
-    a module-level one shared by all calls (fine eagerly; for CUDA graphs preallocate one at capture time).
+    the module-level one shared by all calls (``allocate_workspace``; the factor is lowered to fit it).
     Tile, warps and stages default to ``launch_config``. No host syncs: every shape and launch parameter comes
     from tensor shapes and Python ints.
     """
@@ -408,10 +431,13 @@ def tree_attention(
     grid0 = num_tokens // block_q + num_seqs
     if num_kv_splits is None:
         num_kv_splits = auto_kv_splits(num_tokens, num_seqs, num_q_heads, num_kv_heads, max_query_len, q.device, bm)
+    if workspace is None:
+        while num_kv_splits > 1 and num_tokens * num_kv_splits > WORKSPACE_ROWS:
+            num_kv_splits //= 2
     if num_kv_splits > 1:
         assert triton.next_power_of_2(num_kv_splits) == num_kv_splits, "num_kv_splits must be a power of 2"
         if workspace is None:
-            workspace = _cached_workspace(num_tokens, num_q_heads, head_size, num_kv_splits, q.device)
+            workspace = _shared_workspace(num_tokens, num_q_heads, head_size, num_kv_splits, q.device)
         part_acc, part_m, part_l = workspace
         assert part_acc.shape[0] >= num_tokens and part_acc.shape[1:] == (num_q_heads, num_kv_splits, head_pad)
         assert part_acc.is_contiguous() and part_m.is_contiguous() and part_l.is_contiguous()

@@ -1,9 +1,11 @@
 """vLLM attention backends that mask a verify step's tree rows: the target sees each node's ancestors only.
 
 ``install()`` (called when a ddtree drafter is built, before the target model) points vLLM's CPU_ATTN and
-TRITON_ATTN registry entries at the subclasses below. Outside a verify step (prefill, plain decode, the drafter's
-own forward) they are exactly vLLM's backends; during one, the rows of requests that verify a tree are recomputed
-with the ancestor mask after vLLM wrote the step's K/V to the cache at linear slots.
+TRITON_ATTN registry entries at the subclasses below. On the CPU engine, outside a verify step they are exactly
+vLLM's backend, and during one the rows of requests that verify a tree are recomputed with the ancestor mask after
+vLLM wrote the step's K/V to the cache at linear slots. On GPU the target's layers run our tree kernel on every
+forward (causal unless a request verifies a tree), so verify steps can be captured in full CUDA graphs; the
+drafter's layers stay vLLM's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm_ddtree import verify_step
 from vllm_ddtree.attention.torch_tree import cpu_attn_kv_views, tree_attention_torch
 
-# 0 = the tree kernel only in verify steps, with attention outside CUDA graphs (diagnosis; the pre-0.3 behaviour).
+# 0 = the tree kernel only in verify steps, attention outside CUDA graphs (slower; kept to diagnose the graphed path).
 TREE_KERNEL_IN_GRAPHS = os.environ.get("VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS", "1") == "1"
 
 

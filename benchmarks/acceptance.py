@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     max_b = max(budgets + [chain_k])
     common = dict(model=target, prompt_token_ids=prompts, max_tokens=a.max_tokens,
                   dtype=a.dtype or ("bfloat16" if cuda else "float32"), max_num_seqs=a.max_num_seqs,
-                  max_model_len=max(len(p) for p in prompts) + a.max_tokens + max_b + 16,
+                  # vLLM drafts only while the longest sequence plus a verify step plus the drafter's queries fit
+                  # (GPUModelRunner._input_fits_in_drafter): leave room for two steps of 1 + B tokens.
+                  max_model_len=max(len(p) for p in prompts) + a.max_tokens + 2 * (max_b + 1) + 16,
                   max_num_batched_tokens=max(2048, a.max_num_seqs * (1 + max_b) + 512))
     result = {"target": target, "drafter": drafter, "block_size": depth + 1, "budgets": budgets,
               "skipped_budgets": skipped, "max_tree_budget": MAX_TREE_BUDGET, "num_prompts": len(prompts),

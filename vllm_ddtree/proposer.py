@@ -116,6 +116,10 @@ class DDTreeProposer(DFlashProposer):
         """Runner hook, right after the slot mapping of a step with drafts (see verifier.TreeVerifier.prepare)."""
         req_ids = self.runner.input_batch.req_ids[: len(num_draft_tokens)]
         draft_rows = np.array([self._draft_rows.get(rid, -1) for rid in req_ids], dtype=np.int64)
+        # A tree serves the one verify step right after its propose. vLLM skips the drafter for a whole batch when
+        # a request nears max_model_len (GPUModelRunner._input_fits_in_drafter) and schedules placeholder drafts
+        # instead; the trees of the step before must then not be verified again.
+        self._draft_rows = {}
         self.verifier.prepare(spec_decode_metadata, num_draft_tokens, cu_num_tokens, self.draft_trees, draft_rows)
 
     def propose(

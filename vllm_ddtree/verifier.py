@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 CHECK_RANKS_ENV = "VLLM_DDTREE_CHECK_RANKS"
 
 
+# Set to 1 to check every verify step's trees against the tokens vLLM scheduled (one gather and a host sync per
+# step; the engine tests turn it on): a tree whose nodes are not the scheduled drafts would be walked over inputs
+# the target never saw.
+CHECK_TREES_ENV = "VLLM_DDTREE_CHECK_TREES"
+
+
 def check_ranks_agree(accepted: torch.Tensor) -> None:
     """Raise if the tensor-parallel ranks walked their trees to different accepted paths."""
     from vllm.distributed.parallel_state import get_tp_group
@@ -71,6 +77,7 @@ class TreeVerifier:
         self._walk_graphs = GraphedStep(self._walk_rows, largest_bucket(max_reqs), device)
         self._compact = None  # built on first use: the KV caches exist only after vLLM allocated them
         self.check_ranks = os.environ.get(CHECK_RANKS_ENV, "0") == "1"
+        self.check_trees = os.environ.get(CHECK_TREES_ENV, "0") == "1"
         self.last_step: verify_step.VerifyStep | None = None  # the walked step, for the drafter's linearisation
 
     # ------------------------------------------------------------------ before the target forward
@@ -112,6 +119,11 @@ class TreeVerifier:
         runner.positions[rows] += shift
         if getattr(runner, "uses_mrope", False):
             runner.mrope_positions.gpu[:, rows] += shift
+        if self.check_trees:
+            scheduled = runner.input_ids.gpu[rows].to(torch.int64)
+            expected = self.trees.token_ids[row_request, row_node].to(torch.int64)
+            if bool((row_has_tree & (scheduled != expected)).any()):
+                raise RuntimeError("ddtree: a verified tree's tokens are not the drafts vLLM scheduled for it")
 
         tree_rows = np.where(has_tree, np.arange(num_reqs), -1).astype(np.int32)
         self.tree_rows[:num_reqs].copy_(torch.from_numpy(tree_rows), non_blocking=True)

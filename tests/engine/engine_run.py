@@ -43,7 +43,7 @@ def run_engine(**args) -> dict:
 
     ``oracle`` travels through oracle_site/sitecustomize.py, so every process of the engine (TP workers too)
     drafts from it."""
-    env = {**os.environ, "VLLM_DDTREE_CHECK_RANKS": "1"}
+    env = {**os.environ, "VLLM_DDTREE_CHECK_RANKS": "1", "VLLM_DDTREE_CHECK_TREES": "1"}
     env.pop("TRITON_INTERPRET", None)
     oracle = args.pop("oracle", None)
     with tempfile.TemporaryDirectory() as tmp:

@@ -45,6 +45,25 @@ def test_greedy_ddtree_equals_no_spec_batched(tiny_llama_dir, tiny_llama_dflash_
     assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2
 
 
+def test_greedy_ddtree_stays_lossless_when_vllm_skips_drafting(
+    tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference
+):
+    """Within B + 1 tokens of max_model_len vLLM skips the drafter for the whole batch and schedules placeholder
+    drafts; the trees of the step before are then stale and must not be verified (they were, and outputs changed)."""
+    budget = 32
+    result = run_engine(
+        model=str(tiny_llama_dir),
+        prompt_token_ids=prompt_ids,
+        max_tokens=48,
+        ignore_eos=True,
+        max_model_len=max(len(p) for p in prompt_ids) + 48 + 4,
+        spec=ddtree_spec(tiny_llama_dflash_dir, budget),
+        oracle={"prompt_token_ids": prompt_ids, "continuations": reference, "seed": 5},
+    )
+    assert result["token_ids"] == reference
+    assert result["spec_decode"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
 def test_greedy_ddtree_equals_no_spec_one_at_a_time(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
     result = run_engine(
         model=str(tiny_llama_dir),

@@ -205,11 +205,10 @@ def table(runs: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from quality_regression import add_server_pair_arguments, server_pair
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--drafter", help="default: the trained SmolLM2 drafter if built, else a random one")
-    parser.add_argument("--spec", default='{"method": "ddtree", "num_speculative_tokens": 16}',
-                        help='--speculative-config JSON ("model" defaults to --drafter)')
+    add_server_pair_arguments(parser)
     parser.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (= --max-num-seqs)")
     parser.add_argument("--requests", type=int, default=256, help="requests in the workload")
     parser.add_argument("--abort-frac", type=float, default=0.1)
@@ -218,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpu-blocks", type=int, default=256, help="KV blocks; small enough to force preemption")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--dtype", default="float32", help="float32: greedy equality is exact on the CPU engine")
     parser.add_argument("--timeout", type=float, default=900, help="seconds the workload may take per server")
     parser.add_argument("--chunked-prefill", action="store_true", help="keep chunked prefill (GPU; see below)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the no-spec server (no greedy comparison)")
@@ -226,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(ROOT / "out" / "load_test.json"))
     args = parser.parse_args(argv)
 
-    from quality_regression import default_models
-
-    spec = json.loads(args.spec)
-    target, spec["model"] = default_models(args.target, args.drafter or spec.get("model"))
+    target, spec = server_pair(args)
     work = make_workload(args.requests, args.seed, args.abort_frac, (args.min_tokens, args.max_tokens))
     server_args = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.clients),
                    "--max-num-batched-tokens", str(max(2048, args.max_model_len)),

@@ -202,6 +202,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def add_server_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """The models and dtype of the two servers (no-spec and ddtree) that this script and load_test.py compare."""
+    parser.add_argument("--target", help="default: SmolLM2-135M-Instruct (offline_models.smollm2_dir())")
+    parser.add_argument("--drafter", help="DFlash drafter; default: the trained SmolLM2 drafter if built, else random")
+    parser.add_argument("--spec", default='{"method": "ddtree", "num_speculative_tokens": 16}',
+                        help='--speculative-config JSON for the ddtree server ("model" defaults to --drafter)')
+    parser.add_argument("--dtype", default="float32", help="float32: greedy equality is exact on the CPU engine")
+
+
+def server_pair(args: argparse.Namespace) -> tuple[str, dict]:
+    """(target, ddtree speculative config with its drafter filled in) from ``add_server_pair_arguments``."""
+    spec = json.loads(args.spec)
+    target, spec["model"] = default_models(args.target, args.drafter or spec.get("model"))
+    return target, spec
+
+
 def default_models(target: str | None, drafter: str | None) -> tuple[str, str]:
     """Target default SmolLM2-135M-Instruct; drafter default the trained SmolLM2 drafter when it has been built
     (tools/train_dflash.py), else a random-weight DFlash drafter for the target (τ ≈ 1: tests losslessness only)."""
@@ -217,15 +233,11 @@ def default_models(target: str | None, drafter: str | None) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="default: SmolLM2-135M-Instruct (offline_models.smollm2_dir())")
-    parser.add_argument("--drafter", help="DFlash drafter; default: the trained SmolLM2 drafter if built, else random")
-    parser.add_argument("--spec", default='{"method": "ddtree", "num_speculative_tokens": 16}',
-                        help='--speculative-config JSON for the ddtree server ("model" defaults to --drafter)')
+    add_server_pair_arguments(parser)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     parser.add_argument("--limit", type=int, default=None, help="first N items per task (default: all)")
     parser.add_argument("--max-gen-toks", type=int, default=256)
     parser.add_argument("--num-concurrent", type=int, default=4, help="lm-eval's concurrent requests (= max-num-seqs)")
-    parser.add_argument("--dtype", default="float32", help="float32: greedy equality is exact on the CPU engine")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--server-arg", action="append", default=[], help="extra `vllm serve` flag (repeatable)")
     parser.add_argument("--json", default=str(ROOT / "out" / "quality_regression.json"))
@@ -235,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [t for t in args.tasks.split(",") if t]
     if unknown := set(tasks) - set(TASKS):
         parser.error(f"unknown tasks {sorted(unknown)}; choose from {TASKS}")
-    spec = json.loads(args.spec)
-    target, drafter = default_models(args.target, args.drafter or spec.get("model"))
-    spec["model"] = drafter
+    target, spec = server_pair(args)
     os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")
     server_args = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.num_concurrent),
                    "--max-num-batched-tokens", str(max(2048, args.max_model_len)), *args.server_arg]

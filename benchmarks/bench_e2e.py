@@ -42,6 +42,9 @@ def worker(args: dict) -> dict:
     """Run one configuration in this process and return its measurements."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args["attention_backend"] = os.environ.get("BENCH_ATTENTION_BACKEND")
+    # None keeps vLLM's choice (on for the chain on GPU, off for ddtree unless asked for).
+    async_scheduling = {"1": True, "0": False}.get(os.environ.get("BENCH_ASYNC_SCHEDULING", ""))
+    capture = os.environ.get("BENCH_MAX_CAPTURE_SIZE")
     if args["in_process"]:  # CPU: one process instead of three vLLM imports (the GPU keeps vLLM's default)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -60,9 +63,12 @@ def worker(args: dict) -> dict:
         gpu_memory_utilization=args["gpu_memory_utilization"] or 0.9,
         kv_cache_memory_bytes=None if args["gpu_memory_utilization"] else 512 << 20,
         distributed_executor_backend="uni" if args["in_process"] else None,
+        async_scheduling=async_scheduling,
+        compilation_config={"max_cudagraph_capture_size": int(capture)} if capture else None,
         disable_log_stats=False,
         seed=0,
     )
+    engine_config = llm.llm_engine.vllm_config
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                              add_generation_prompt=True)
@@ -93,7 +99,8 @@ def worker(args: dict) -> dict:
             "accepted_per_position": [round(a / drafts, 4) for a in per_pos] if drafts else None,
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         })
-    return {"rows": rows}
+    return {"rows": rows, "async_scheduling": bool(engine_config.scheduler_config.async_scheduling),
+            "model_runner": "V2" if engine_config.use_v2_model_runner else "V1"}
 
 
 def _spec_counters(llm) -> tuple[int, int, list[int]]:
@@ -149,6 +156,10 @@ def main() -> None:
     parser.add_argument("--tree-kernel-ab", action="store_true", help="also run the first budget with the tree "
                         "attention kernel outside CUDA graphs (VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0), to see what "
                         "capturing it is worth")
+    parser.add_argument("--async-ab", action="store_true", help="also run every budget with async scheduling "
+                        "(--async-scheduling; vLLM turns it on for the chain on GPU and off for ddtree by default)")
+    parser.add_argument("--tree-capture-size", type=int, default=None, help="ddtree engines capture CUDA graphs up "
+                        "to this many tokens (vLLM's default stops at 512; batch x (1 + B) above it runs without)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name; "
                         "also comma-separated)")
@@ -190,11 +201,15 @@ def main() -> None:
     if args.same_backend_baselines and on_gpu:
         same = {"VLLM_USE_V2_MODEL_RUNNER": "0", "BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
         configs += [("no-spec V1+tri", None, same), ("dflash V1+tri", chain_spec, same)]
+    tree_env = {"BENCH_MAX_CAPTURE_SIZE": str(args.tree_capture_size)} if args.tree_capture_size else {}
     configs += [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
-                 {}) for b in args.budgets]
+                 tree_env) for b in args.budgets]
     if args.tree_kernel_ab:
         name, spec, _ = configs[-len(args.budgets)]
-        configs.append((f"{name} kernel-eager", spec, {"VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS": "0"}))
+        configs.append((f"{name} kernel-eager", spec, {**tree_env, "VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS": "0"}))
+    if args.async_ab:
+        configs += [(f"{name} async", spec, {**env, "BENCH_ASYNC_SCHEDULING": "1"})
+                    for name, spec, env in configs[-len(args.budgets) - args.tree_kernel_ab:][:len(args.budgets)]]
     if args.configs:
         wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
         configs = [c for c in configs if c[0] in wanted]
@@ -263,6 +278,7 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "first_difference": [_first_difference(row["token_ids"][j], ref_row["token_ids"][j])
                                      for j in differ or []],
                 "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
+                "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
             })
             same = results.get("no-spec V1+tri")
             if same:

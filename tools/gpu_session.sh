@@ -21,11 +21,13 @@
 #   quality  lm-eval quality regression, no-spec vs DDTree servers, bf16 (benchmarks/quality_regression.py)
 #   load   the load and fault test of the server (benchmarks/load_test.py)
 #   tp     the TP=2 engine test on two GPUs
+#   tpbench  tokens/s at TP=2: no-spec, chain, DDTree on a Qwen3-8B-shaped random target (bench_e2e.py -tp 2)
 # Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-out/gpu}; RESULTS=${RESULTS:-/tmp/ddtree_gpu}; mkdir -p "$OUT" "$RESULTS"
 TRAINED=${TRAINED:-.cache/models/dflash-smollm2-135m-gpu-b16-l3}
+TRAIN_OUT=${TRAIN_OUT:-$TRAINED}  # where `train` writes (TRAIN_ARGS="--init-from $TRAINED ..." continues a drafter)
 [[ -d /tmp/site ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site
 log() { echo "== $(date +%T) $*"; }
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -51,14 +53,14 @@ phase_train() {
   # teacher-forced per batch (--features online), training gets what is left of TRAIN_MINUTES and keeps the best
   # held-out checkpoint.
   (
-    python3 tools/train_dflash.py --device cuda train --target smollm2 --out "$TRAINED" --generator vllm \
+    python3 tools/train_dflash.py --device cuda train --target smollm2 --out "$TRAIN_OUT" --generator vllm \
       --features online --vllm-enforce-eager --vllm-max-num-seqs 1024 --humaneval 156 --mtbench 80 \
       --mtbench-turns 2 --stdlib 800 --code-tasks 2500 --math 5000 --truthfulqa 100 --hellaswag 100 --greedy 1 \
       --sampled 2 --max-new-tokens 256 --max-prompt-tokens 512 --heldout-gsm8k 32 --num-layers 3 --block-size 16 \
       --batch-size 64 --anchors-per-seq 32 --lr 2e-3 --warmup 100 --gamma 7 --steps 100000 \
       --finish-within "${TRAIN_MINUTES:-6.5}" --weight-decay 0.01 --eval-every 150 --eval-anchors 32 --keep-best \
-      --log-every 100 --no-progress &&
-    tar -C "$(dirname "$TRAINED")" -cf - "$(basename "$TRAINED")" | split -b 15M - "$OUT/trained_drafter.tar.part-"
+      --log-every 100 --no-progress ${TRAIN_ARGS:-} &&
+    tar -C "$(dirname "$TRAIN_OUT")" -cf - "$(basename "$TRAIN_OUT")" | split -b 15M - "$OUT/trained_drafter.tar.part-"
   ) > "$RESULTS/train.log" 2>&1
   echo "train exit $?"; tail -30 "$RESULTS/train.log"
 }
@@ -126,13 +128,14 @@ phase_drafter() {
 phase_equality() {
   # Greedy float32 equality on the real pair with CUDA graphs, against no-spec on DDTree's runner and backend,
   # every Triton dot in IEEE float32 (Triton's float32 default is TF32, which vLLM's attention would use and ours
-  # does not): a difference is then DDTree's, not rounding's.
+  # does not): a difference is then DDTree's, not rounding's. VLLM_DDTREE_CHECK_TREES raises if a verified tree is
+  # not what vLLM scheduled.
   local target drafter
   read -r target drafter < <(smollm2_pair)
-  TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py --model "$target" \
+  VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py --model "$target" \
     --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 --max-tokens 96 \
-    --dtype float32 --same-backend-baselines --configs "no-spec V1+tri" "ddtree B=16" "ddtree B=64" \
-    --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
+    --dtype float32 --same-backend-baselines --async-ab \
+    --configs "${EQUALITY_CONFIGS:-no-spec V1+tri,ddtree B=16,ddtree B=64}" --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
   tail -20 "$RESULTS/equality.log"
 }
 
@@ -168,11 +171,29 @@ phase_tp() {
   tail -30 "$RESULTS/tp.log"
 }
 
+phase_tpbench() {
+  # Tokens/s at TP=2 on the two GPUs: a Qwen3-8B-shaped target with random weights (nothing accepted, so this is
+  # the per-step cost of each method under tensor parallelism).
+  timeout "${TPBENCH_TIMEOUT:-400}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" -tp 2 \
+    --budgets ${TP_BUDGETS:-16 64} --batch-sizes ${TP_BATCHES:-1 8} --max-tokens 64 --num-prompts 8 \
+    --same-backend-baselines ${TP_ARGS:-} --out "$RESULTS/tp_bench.json" > "$RESULTS/tpbench.log" 2>&1
+  tail -30 "$RESULTS/tpbench.log"
+}
+
+# With two GPUs, foreground and background phases get half the cores each, so a timed phase is not slowed by a
+# phase running beside it (FG_CPUS / BG_CPUS override the split).
+if ((NGPU > 1)); then
+  half=$(($(nproc) / 2))
+  FG_CPUS=${FG_CPUS:-0-$((half - 1))}; BG_CPUS=${BG_CPUS:-$half-$(($(nproc) - 1))}
+  taskset -cp "$FG_CPUS" $$ > /dev/null
+fi
+
 for phase in "${@:-setup core e2e}"; do
   for p in $phase; do
     log "phase $p"
     if [[ $p == *@* ]]; then
       (
+        [[ -n ${BG_CPUS:-} ]] && taskset -cp "$BG_CPUS" $BASHPID > /dev/null
         export CUDA_VISIBLE_DEVICES=${p#*@}
         IFS=+ read -ra names <<< "${p%@*}"
         for n in "${names[@]}"; do log "background phase $n"; "phase_$n"; done

@@ -113,6 +113,21 @@ def validate_ddtree_drafter(spec: Any) -> None:
     spec.num_speculative_tokens = max(spec.tree_budget, spec.tree_depth)
 
 
+def check_async_scheduling(spec: Any) -> None:
+    """Explicit ``--async-scheduling`` with ddtree (experimental, GPU only: vLLM's CPU engine turns it off).
+
+    The async scheduler schedules ``num_speculative_tokens`` placeholder drafts per request before it sees the
+    tree, so the tree must fill every one of them: the budget may not be below the depth (config.py sets
+    ``num_speculative_tokens = max(budget, depth)``).
+    """
+    if spec.tree_budget < spec.tree_depth:
+        raise DDTreeConfigError(
+            f"ddtree with async scheduling needs num_speculative_tokens (the node budget, {spec.tree_budget}) >= "
+            f"tree_depth ({spec.tree_depth}); raise the budget, set tree_depth <= budget, or use "
+            "--no-async-scheduling"
+        )
+
+
 def _refuse_drafter_for_another_target(spec: Any, hf_config: Any) -> None:
     """A drafter built for another target passes vLLM's checks, starts, and then kills the engine on the first
     request (shape errors in the drafter's fc or the shared embedding / lm_head): refuse it at start-up instead."""

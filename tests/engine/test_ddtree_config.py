@@ -120,7 +120,10 @@ def test_tree_depth_needs_ddtree(tiny_llama_dir, tiny_llama_dflash_dir):
         )
 
 
-def test_refuses_explicit_async_scheduling(tiny_llama_dir, tiny_llama_dflash_dir):
+@pytest.mark.parametrize("budget", [4, 8])
+def test_explicit_async_scheduling_needs_budget_at_least_depth(tiny_llama_dir, tiny_llama_dflash_dir, budget):
+    """The async scheduler schedules num_speculative_tokens = max(budget, depth) placeholder drafts per request;
+    a tree of fewer nodes (budget 4 < depth 7) would leave some unfilled, so it is refused at start-up."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -129,10 +132,16 @@ def test_refuses_explicit_async_scheduling(tiny_llama_dir, tiny_llama_dflash_dir
         max_model_len=512,
         max_num_seqs=8,
         async_scheduling=True,
-        speculative_config={"method": "ddtree", "model": str(tiny_llama_dflash_dir), "num_speculative_tokens": 4},
+        speculative_config={
+            "method": "ddtree", "model": str(tiny_llama_dflash_dir), "num_speculative_tokens": budget,
+        },
     )
-    with pytest.raises(Exception, match="--no-async-scheduling"):
-        args.create_engine_config()
+    if budget < 7:
+        with pytest.raises(Exception, match=r"tree_depth \(7\).*--no-async-scheduling"):
+            args.create_engine_config()
+    else:
+        config = args.create_engine_config()  # accepted; vLLM's CPU platform then turns async scheduling off
+        assert config.speculative_config.num_speculative_tokens == budget
 
 
 @pytest.mark.parametrize(

@@ -145,7 +145,8 @@ phase_e2e() {
   timeout "${E2E_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
     --prompt-set heldout --num-prompts "${NUM_PROMPTS:-24}" --budgets ${BUDGETS:-16 32 64} \
     --batch-sizes ${BATCHES:-1 8} --max-tokens "${MAX_TOKENS:-128}" --same-backend-baselines \
-    --tree-kernel-ab ${E2E_ARGS:-} --out "$RESULTS/bench_e2e.json" > "$RESULTS/e2e.log" 2>&1
+    --tree-kernel-ab ${E2E_ARGS:-} ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$RESULTS/bench_e2e.json" \
+    > "$RESULTS/e2e.log" 2>&1
   tail -40 "$RESULTS/e2e.log"
 }
 
@@ -166,8 +167,9 @@ phase_load() {
 }
 
 phase_tp() {
-  VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout 240 python3 -m pytest -x -q -p no:cacheprovider \
-    tests/engine/test_ddtree_engine.py -k tensor_parallel > "$RESULTS/tp.log" 2>&1
+  VLLM_DDTREE_TEST_LOG_DIR="$RESULTS/tp_engine_logs" VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout "${TP_TIMEOUT:-240}" \
+    python3 -m pytest -x -q -p no:cacheprovider tests/engine/test_ddtree_engine.py -k tensor_parallel \
+    > "$RESULTS/tp.log" 2>&1
   tail -30 "$RESULTS/tp.log"
 }
 

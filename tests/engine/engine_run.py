@@ -58,8 +58,20 @@ def run_engine(**args) -> dict:
         )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"engine run failed ({proc.returncode}):\n{_failure_excerpt(proc.stderr)}")
     return json.loads(lines[-1][len("ENGINE_RESULT ") :])
+
+
+def _failure_excerpt(stderr: str) -> str:
+    """The first traceback (a worker's root cause; the engine's own comes later and only says it failed) and the
+    tail; when VLLM_DDTREE_TEST_LOG_DIR is set, the whole log is kept there too."""
+    log_dir = os.environ.get("VLLM_DDTREE_TEST_LOG_DIR")
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkstemp(prefix="engine_run_", suffix=".log", dir=log_dir)[1]).write_text(stderr)
+    first = stderr.find("Traceback")
+    head = stderr[first: first + 4000] + "\n[...]\n" if 0 <= first < len(stderr) - 6000 else ""
+    return head + stderr[-6000:]
 
 
 def install_oracle(reference: dict[tuple[int, ...], list[int]], p_first: float, p_second: float, seed: int):

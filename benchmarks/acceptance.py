@@ -1,6 +1,6 @@
 """Acceptance of a trained DFlash drafter in the vLLM engine: the DFlash chain vs DDTree at several node budgets.
 
-    python benchmarks/acceptance.py --drafter .cache/models/dflash-smollm2-135m-trained-b8-l1 \\
+    python benchmarks/acceptance.py --drafter fixtures/dflash-smollm2-135m-b16-l3 \\
         --budgets 8 16 32 64 128 --temperatures 0 1 --out-json out/acceptance.json --out-png out/acceptance.png
 
 For every temperature, one engine run per configuration (``tests/engine/engine_run.py``'s ``run_engine``: a fresh
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None, help="target model directory (default: offline SmolLM2-135M-Instruct)")
-    ap.add_argument("--drafter", help="DFlash drafter directory (tools/train_dflash.py output)")
+    ap.add_argument("--drafter", help="DFlash drafter directory (tools/train_dflash.py output; default: the "
+                    "trained SmolLM2 drafter in fixtures/)")
     ap.add_argument("--plot-only", metavar="JSON", default=None,
                     help="only plot an earlier run's --out-json into --out-png (e.g. on a box with matplotlib)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
@@ -144,12 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot_only:
         plot(json.loads(Path(a.plot_only).read_text()), Path(a.out_png or Path(a.plot_only).with_suffix(".png")))
         return 0
-    if not a.drafter:
-        ap.error("--drafter is required")
-
     import torch
 
     from vllm_ddtree import offline_models as om
+
+    a.drafter = a.drafter or str(om.trained_smollm2_drafter_dir())
     from vllm_ddtree.config import MAX_TREE_BUDGET
 
     cuda = torch.cuda.is_available()

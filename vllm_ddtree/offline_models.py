@@ -22,6 +22,7 @@ Library::
     om.smollm2_dir()                                    # Path
     om.tiny_target_dir("llama")                         # or "qwen3"
     om.random_dflash_dir(om.tiny_target_dir("llama"), block_size=8, num_layers=1, seed=0)
+    om.trained_smollm2_drafter_dir()                    # the trained DFlash drafter fixture (fixtures/)
 
 CLI::
 
@@ -101,6 +102,18 @@ TINY_ARCHS = ("llama", "qwen3")
 # --------------------------------------------------------------------------------------------------------------
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+TRAINED_SMOLLM2_DRAFTER = "fixtures/dflash-smollm2-135m-b16-l3"
+
+
+def trained_smollm2_drafter_dir() -> Path:
+    """The DFlash drafter trained for SmolLM2-135M-Instruct (tools/train_dflash.py on an H200; provenance in
+    ``fixtures/README.md``): real acceptance for tests, benchmarks and the README demo."""
+    path = repo_root() / TRAINED_SMOLLM2_DRAFTER
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path}/model.safetensors is missing: the trained drafter ships in the repo checkout")
+    return path
 
 
 def cache_dir(cache: str | os.PathLike | None = None) -> Path:

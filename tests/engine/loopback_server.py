@@ -84,15 +84,22 @@ def serve(
     served_model_name: str | None = None,
     startup_timeout: float = 420,
     env: dict[str, str] | None = None,
+    eager: bool | None = None,
 ) -> Iterator[Server]:
     """Run ``python -m vllm.entrypoints.openai.api_server`` (no metadata shim needed) until the block exits.
 
-    ``args`` are extra CLI flags (e.g. ``--max-model-len``); ``spec`` becomes ``--speculative-config``."""
+    ``args`` are extra CLI flags (e.g. ``--max-model-len``); ``spec`` becomes ``--speculative-config``. ``eager``
+    defaults to True on the CPU engine (compiling costs more than the tests run) and False on GPU, where a server
+    is measured as users run it, with CUDA graphs."""
+    if eager is None:
+        import torch
+
+        eager = not torch.cuda.is_available()
     port = free_port()
     name = served_model_name or str(model)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager", *args,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, *(["--enforce-eager"] if eager else []), *args,
     ]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]

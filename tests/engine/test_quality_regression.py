@@ -35,5 +35,6 @@ def test_lm_eval_slice_identical_under_ddtree(tmp_path, smollm2_dir):
         for task in run["tasks"].values():
             assert all(m["stderr"] is not None for m in task["metrics"].values())
     assert report["runs"]["ddtree"]["drafts"] > 0, "the ddtree server never speculated"
+    assert report["runs"]["ddtree"]["tau"] > 1.3, "the trained drafter (fixtures/) should accept drafts"
     assert report["runs"]["no_spec"]["drafts"] == 0
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -1,0 +1,176 @@
+"""benchmarks/bench_ddtree.py's pure parts: ms/step, ratios, the tree tax and the step-phase mapping, checked against
+saved H200 bench_e2e runs (the numbers benchmarks/README.md quotes), and the bench_e2e commands it builds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_ddtree import step_timing
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results" / "h200-2026-11-29b"
+_spec = importlib.util.spec_from_file_location("bench_ddtree", REPO / "benchmarks" / "bench_ddtree.py")
+bd = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bd)
+
+
+def _rows(name: str, workload: str) -> dict[tuple[str, int], dict]:
+    result = json.loads((RESULTS / name).read_text())
+    return {(r["config"], r["batch"]): r for r in bd.rows_from_e2e(workload, [result])}
+
+
+def test_ms_per_step_is_batch_tau_over_throughput():
+    assert bd.ms_per_step(407.0, 2.416, 1) == pytest.approx(5.936, abs=1e-3)
+    assert bd.ms_per_step(749.4, 2.403, 8) == pytest.approx(25.652, abs=1e-3)
+    assert bd.ms_per_step(460.5, None, 1) == pytest.approx(2.172, abs=1e-3)  # no-spec: one token per step
+    assert bd.ms_per_step(0.0, 2.0, 1) is None
+
+
+def test_phases_cover_every_step_timing_interval_once():
+    cycle = {f"{a} -> {b}" for a, b in zip(step_timing.ORDER, step_timing.ORDER[1:] + step_timing.ORDER[:1])}
+    intervals = [interval for _, interval, _ in bd.PHASES]
+    assert sorted(intervals) == sorted(cycle)
+    named = {phase: interval for phase, interval, _ in bd.PHASES}
+    assert named["draft"] == "linearised -> build" and named["tree_build"] == "build -> built"
+    assert named["scheduler"] == "built -> prepare" and named["verify"] == "prepared -> sample"
+    assert named["walk"] == "sample -> walked" and named["compaction"] == "walked -> compacted"
+
+
+def test_smollm2_ratios_and_breakdown_match_the_saved_run():
+    rows = _rows("bench_e2e_smollm2_trained.json", "smollm2")
+    tree = rows[("ddtree B=64", 1)]
+    assert tree["ms_per_step"] == pytest.approx(5.94, abs=0.01)
+    assert tree["vs_chain"] == pytest.approx(0.803, abs=1e-3)       # chain as users run it (MRV2, async)
+    assert tree["vs_chain_v1"] == pytest.approx(1.132, abs=1e-3)    # chain on DDTree's runner and backend
+    assert tree["chain_v1_config"] == "dflash V1+tri"
+    # tax = ms/step(tree) / ms/step(chain) - 1, with each side's own tau
+    chain_v1_ms = 1000 * 1.923 / 359.6
+    assert tree["tax_vs_chain_v1"] == pytest.approx(1000 * 2.416 / 407.0 / chain_v1_ms - 1, abs=1e-4)
+    assert tree["tax_vs_chain"] == pytest.approx((1000 * 2.416 / 407.0) / (1000 * 1.927 / 506.6) - 1, abs=1e-4)
+    b = tree["breakdown"]
+    assert (b["draft"]["host_ms"], b["draft"]["device_ms"]) == (1.2741, 0.283)
+    assert (b["tree_build"]["host_ms"], b["tree_build"]["device_ms"]) == (0.149, 0.6255)
+    assert (b["scheduler"]["host_ms"], b["scheduler"]["device_ms"]) == (1.6816, 1.1094)
+    assert (b["verify"]["host_ms"], b["verify"]["device_ms"]) == (0.5636, 2.4444)
+    assert (b["walk"]["host_ms"], b["compaction"]["host_ms"]) == (0.098, 0.1556)
+    assert tree["step_host_ms_median_sum"] == pytest.approx(4.7800, abs=1e-3)
+    # That engine ran batch 1 and 8: its breakdown covers both and must say so; GPU idle is not derivable.
+    assert tree["breakdown_batches"] == [1, 8] and tree["gpu_idle_ms"] is None
+    # Over whole steps the host and device-stream means add up to the same wall time (why host - device != idle).
+    assert tree["step_host_ms_mean_sum"] == pytest.approx(tree["step_device_ms_mean_sum"], rel=0.02)
+    # Baselines carry ratios but no tax or breakdown; B=64 at batch 8 (520 tokens) outgrows the 512-token graphs.
+    assert rows[("dflash", 1)]["vs_chain"] == 1.0 and rows[("dflash", 1)]["tax_vs_chain"] is None
+    assert "breakdown" not in rows[("no-spec", 1)]
+    assert rows[("ddtree B=64", 8)]["over_cuda_graph_capture"] and not rows[("ddtree B=16", 8)][
+        "over_cuda_graph_capture"]
+    assert rows[("ddtree B=64", 8)]["ms_per_step"] == pytest.approx(25.65, abs=0.01)
+
+
+def test_qwen3_tree_tax_against_the_v1_chain():
+    rows = _rows("tax_qwen3_8b_shape.json", "qwen3-8b")
+    assert rows[("ddtree B=16", 1)]["tax_vs_chain_v1"] == pytest.approx(160.7 / 100.4 - 1, abs=1e-4)  # +60 %
+    assert rows[("ddtree B=64", 1)]["tax_vs_chain_v1"] == pytest.approx(160.7 / 100.1 - 1, abs=1e-4)  # +61 %
+    assert rows[("ddtree B=64", 1)]["chain_v1_config"] == "dflash V1"
+    # That run had no chain on the default runner and no no-spec: those ratios are absent, not invented.
+    assert rows[("ddtree B=64", 1)]["tax_vs_chain"] is None and rows[("ddtree B=64", 1)]["vs_no_spec"] is None
+    assert rows[("ddtree B=16", 1)]["breakdown"]["scheduler"] == {"host_ms": 5.1578, "device_ms": 1.662, "count": 282}
+    assert rows[("ddtree B=64", 1)]["breakdown_batches"] == [1]
+
+
+def test_chain_v1_is_the_default_chain_only_when_it_ran_on_v1():
+    assert bd.chain_v1_config({("dflash", 1): {"model_runner": "V1"}}) == "dflash"
+    assert bd.chain_v1_config({("dflash", 1): {"model_runner": "V2"}}) is None
+    assert bd.chain_v1_config({("dflash", 1): {"model_runner": "V1"}, ("dflash V1+tri", 1): {}}) == "dflash V1+tri"
+    # the V1 chain on TRITON_ATTN is DDTree's runner and backend; the plain V1 chain only stands in for it
+    assert bd.chain_v1_config({("dflash V1", 1): {}, ("dflash V1+tri", 1): {}}) == "dflash V1+tri"
+
+
+def test_phase_breakdown_keeps_unknown_intervals_and_handles_missing_reports():
+    assert bd.phase_breakdown(None) is None and bd.phase_breakdown({}) is None
+    report = {"prepared -> sample": {"host_ms_median": 1.0, "device_ms_median": 3.0, "host_ms_mean": 1.5,
+                                     "device_ms_mean": 3.5, "count": 4},
+              "new -> mark": {"host_ms_median": 0.5, "device_ms_median": 0.25, "count": 4}}
+    b = bd.phase_breakdown(report)
+    assert b["verify"] == {"host_ms": 1.0, "device_ms": 3.0, "count": 4} and "new -> mark" in b
+    assert b["_sum"] == {"host_ms": 1.5, "device_ms": 3.25} and b["_mean_sum"] == {"host_ms": 1.5, "device_ms": 3.5}
+
+
+def test_table_and_json_from_saved_runs(tmp_path):
+    out = tmp_path / "report.json"
+    rc = bd.main(["--from-e2e", str(RESULTS / "bench_e2e_smollm2_trained.json"),
+                  str(RESULTS / "tax_qwen3_8b_shape.json"), "--out", str(out), "--png", str(tmp_path / "r.png")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert {r["workload"] for r in report["rows"]} == {"smollm2", "qwen3-8b"}
+    assert report["meta"]["phases"]["draft"]["interval"] == "linearised -> build"
+    table = bd.format_table(report["rows"])
+    line = next(x for x in table.splitlines() if x.startswith("qwen3-8b  ddtree B=64"))
+    assert "+61%" in line and "9.99" in line
+    assert "DDTree step breakdown" in table
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_runs_time_ddtree_per_batch_and_baselines_once(tmp_path):
+    def runs(*extra):
+        return bd.build_runs(bd.parse_args(["--workloads", "smollm2", "qwen3-8b", "--budgets", "16", "64",
+                                            "--batch-sizes", "1", "64", "--out", str(tmp_path / "r.json"), *extra]))
+
+    split = runs("--drafter", "d", "--tree-capture-size", "4160")
+    assert [(r["workload"], r["tag"]) for r in split] == [
+        ("smollm2", "baselines"), ("smollm2", "ddtree_b1"), ("smollm2", "ddtree_b64"),
+        ("qwen3-8b", "baselines"), ("qwen3-8b", "ddtree_b1"), ("qwen3-8b", "ddtree_b64")]
+    base, tree = split[0]["argv"], split[2]["argv"]
+    assert "--same-backend-baselines" in base and "--step-timing" not in base
+    assert base[base.index("--batch-sizes") + 1: base.index("--batch-sizes") + 3] == ["1", "64"]
+    assert base[base.index("--configs") + 1] == "no-spec,dflash,no-spec V1+tri,dflash V1+tri"
+    assert "--step-timing" in tree and tree[tree.index("--batch-sizes") + 1] == "64"
+    assert tree[tree.index("--configs") + 1] == "ddtree B=16,ddtree B=64"
+    assert tree[tree.index("--tree-capture-size") + 1] == "4160" and tree[-2:] == ["--out", split[2]["out"]]
+    assert "--drafter" in base and "--drafter" not in split[3]["argv"]  # --shape replaces the drafter
+    assert split[3]["argv"][:2] == ["--shape", "qwen3-8b"]
+    shared = runs("--shared-engines", "--async-ab")
+    assert len(shared) == 2
+    argv = shared[0]["argv"]
+    assert {"--step-timing", "--same-backend-baselines", "--async-ab"} <= set(argv)
+    assert argv[argv.index("--configs") + 1].endswith("ddtree B=16 async,ddtree B=64 async")
+
+
+
+def test_split_runs_combine_per_workload(tmp_path):
+    """The default mode's files (baselines over all batches, DDTree once per batch) make one set of rows: ratios
+    across the files of one run, each DDTree row's breakdown from its own batch's engine."""
+    def row(config, batch, tps, tau, runner):
+        return {"config": config, "batch": batch, "tokens_per_s": tps, "tau": tau, "model_runner": runner}
+
+    def timing(verify_ms):
+        return [{"prepared -> sample": {"host_ms_median": 1.0, "device_ms_median": verify_ms, "count": 5}}]
+
+    files = {
+        "base": {"meta": {"shape": "qwen3-8b"}, "table": [
+            row("dflash", 1, 200.0, 1.0, "V2"), row("dflash", 4, 600.0, 1.0, "V2"),
+            row("dflash V1+tri", 1, 100.0, 1.0, "V1"), row("dflash V1+tri", 4, 400.0, 1.0, "V1")]},
+        "b1": {"meta": {"shape": "qwen3-8b", "step_timing": {"ddtree B=16": timing(7.0)}},
+               "table": [row("ddtree B=16", 1, 80.0, 1.0, "V1")]},
+        "b4": {"meta": {"shape": "qwen3-8b", "step_timing": {"ddtree B=16": timing(9.0)}},
+               "table": [row("ddtree B=16", 4, 320.0, 1.0, "V1")]},
+    }
+    paths = []
+    for name, data in files.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(data))
+    out = tmp_path / "r.json"
+    assert bd.main(["--from-e2e", *map(str, paths), "--out", str(out), "--png", str(tmp_path / "r.png")]) == 0
+    rows = {(r["config"], r["batch"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows[("ddtree B=16", 1)]["tax_vs_chain_v1"] == pytest.approx(0.25)   # 12.5 ms vs 10 ms
+    assert rows[("ddtree B=16", 1)]["tax_vs_chain"] == pytest.approx(1.5)       # vs 5 ms
+    assert rows[("ddtree B=16", 4)]["ms_per_step"] == pytest.approx(12.5)       # 1000 * 4 / 320
+    assert rows[("ddtree B=16", 4)]["tax_vs_chain_v1"] == pytest.approx(0.25)
+    assert rows[("ddtree B=16", 1)]["breakdown"]["verify"]["device_ms"] == 7.0
+    assert rows[("ddtree B=16", 4)]["breakdown"]["verify"]["device_ms"] == 9.0
+    assert rows[("ddtree B=16", 4)]["breakdown_batches"] == [4]
+    assert rows[("ddtree B=16", 4)]["vs_no_spec"] is None  # no no-spec row: no ratio

@@ -135,10 +135,11 @@ phase_equality() {
   # not what vLLM scheduled.
   local target drafter
   read -r target drafter < <(smollm2_pair)
-  VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py --model "$target" \
-    --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 --max-tokens 96 \
-    --dtype float32 --same-backend-baselines --async-ab \
-    --configs "${EQUALITY_CONFIGS:-no-spec V1+tri,ddtree B=16,ddtree B=64}" --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
+  VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-330}" python3 benchmarks/bench_e2e.py \
+    --model "$target" --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
+    --max-tokens 96 --dtype float32 --same-backend-baselines --async-ab --tree-capture-size 1024 \
+    --configs "${EQUALITY_CONFIGS:-no-spec V1+tri,ddtree B=16,ddtree B=64 async}" \
+    --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
   tail -20 "$RESULTS/equality.log"
 }
 

@@ -201,14 +201,14 @@ def main() -> None:
         same = {"VLLM_USE_V2_MODEL_RUNNER": "0", "BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
         configs += [("no-spec V1+tri", None, same), ("dflash V1+tri", chain_spec, same)]
     tree_env = {"BENCH_MAX_CAPTURE_SIZE": str(args.tree_capture_size)} if args.tree_capture_size else {}
-    configs += [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
-                 tree_env) for b in args.budgets]
+    trees = [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
+              tree_env) for b in args.budgets]
+    configs += trees
     if args.tree_kernel_ab:
-        name, spec, _ = configs[-len(args.budgets)]
+        name, spec, _ = trees[0]
         configs.append((f"{name} kernel-eager", spec, {**tree_env, "VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS": "0"}))
     if args.async_ab:
-        configs += [(f"{name} async", spec, {**env, "BENCH_ASYNC_SCHEDULING": "1"})
-                    for name, spec, env in configs[-len(args.budgets) - args.tree_kernel_ab:][:len(args.budgets)]]
+        configs += [(f"{name} async", spec, {**tree_env, "BENCH_ASYNC_SCHEDULING": "1"}) for name, spec, _ in trees]
     if args.configs:
         wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
         configs = [c for c in configs if c[0] in wanted]

@@ -205,7 +205,7 @@ def table(runs: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from quality_regression import add_server_pair_arguments, no_spec_server_options, server_pair
+    from quality_regression import add_server_pair_arguments, server_options, server_pair
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_server_pair_arguments(parser)
@@ -234,10 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                    # without speculation: never chunk a prefill on the CPU engine.
                    *(["--no-enable-chunked-prefill"] if not args.chunked_prefill else [])]
     runs = {}
-    baseline_args, baseline_env = no_spec_server_options(args)
     for name, server_spec in (("ddtree", spec), ("no_spec", None))[: 1 if args.no_baseline else 2]:
         t0 = time.perf_counter()
-        extra, env = (baseline_args, baseline_env) if server_spec is None else ([], {})
+        extra, env = server_options(args, server_spec)
         with serve(target, spec=server_spec, dtype=args.dtype, args=server_args + extra, served_model_name="target",
                    env=env) as srv:
             startup = time.perf_counter() - t0

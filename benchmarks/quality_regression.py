@@ -221,12 +221,13 @@ def server_pair(args: argparse.Namespace) -> tuple[str, dict]:
     return target, spec
 
 
-def no_spec_server_options(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """(extra `vllm serve` flags, environment) for the no-spec server: vLLM's defaults, or with ``--same-backend``
-    on GPU the V1 runner and TRITON_ATTN that ddtree runs on (the CPU engine has only one of each)."""
+def server_options(args: argparse.Namespace, spec: dict | None) -> tuple[list[str], dict[str, str]]:
+    """(extra `vllm serve` flags, environment) for one server of the pair: none for ddtree; for no-spec (``spec``
+    None) vLLM's defaults, or with ``--same-backend`` on GPU the V1 runner and TRITON_ATTN that ddtree runs on (the
+    CPU engine has only one of each)."""
     import torch
 
-    if not (args.same_backend and torch.cuda.is_available()):
+    if spec is not None or not (args.same_backend and torch.cuda.is_available()):
         return [], {}
     return ["--attention-backend", "TRITON_ATTN"], {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
@@ -268,10 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["HF_DATASETS_CACHE"] = str(task_dir / "hf-datasets")  # keep lm-eval's dataset cache out of ~
         write_tasks(task_dir, args.max_gen_toks)
         runs = {}
-        baseline_args, baseline_env = no_spec_server_options(args)
         for name, server_spec in (("no_spec", None), ("ddtree", spec)):
             t0 = time.perf_counter()
-            extra, env = (baseline_args, baseline_env) if server_spec is None else ([], {})
+            extra, env = server_options(args, server_spec)
             with serve(target, spec=server_spec, dtype=args.dtype, args=server_args + extra, served_model_name="target",
                        env=env) as srv:
                 startup = time.perf_counter() - t0

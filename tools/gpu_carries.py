@@ -57,7 +57,7 @@ def pack(folders: list[Path], out: Path, limit: int) -> list[Path]:
     for path in files:
         size, digest, offset = path.stat().st_size, sha256(path), 0
         with path.open("rb") as src:
-            while offset < size or size == 0:
+            while True:  # at least one piece, so an empty file arrives too
                 if room == 0:
                     close()
                     carries.append(out / f"{len(carries):02d}")
@@ -69,7 +69,7 @@ def pack(folders: list[Path], out: Path, limit: int) -> list[Path]:
                 manifest[name] = {"path": str(path), "offset": offset, "size": size, "sha256": digest}
                 offset += len(chunk)
                 room -= len(chunk)
-                if size == 0:
+                if offset >= size:
                     break
     close()
     return carries

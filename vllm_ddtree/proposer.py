@@ -3,8 +3,8 @@
 vLLM's runner drives it exactly like ``DFlashProposer`` (patch 0002 builds it instead when ``tree_budget`` is set).
 Three differences:
 
-1. The drafter always drafts ``tree_depth`` positions; the runner's ``num_speculative_tokens`` is
-   ``max(budget, depth)`` (config.py) and only sizes vLLM's reservations.
+1. The drafter always drafts ``tree_depth`` positions; the runner's ``num_speculative_tokens`` is the budget
+   (config.py caps the depth by it) and only sizes vLLM's reservations.
 2. Before drafting, the verify step's accepted path is made a straight chain in the target inputs the drafter reads
    (rows ``root, a1..am`` moved to the front of each request's block), so DFlash's input kernel, which takes the
    first ``1 + m`` rows as context, works unchanged.

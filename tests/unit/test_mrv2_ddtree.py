@@ -106,3 +106,54 @@ def test_opt_in_off_cuda_is_a_gap(monkeypatch):
     monkeypatch.setenv(ddtree_config.MRV2_ENV, "1")
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
     assert ddtree_config.mrv2_gaps(mrv2_vllm_config()) == ["ddtree off CUDA GPUs"]
+
+
+# ----------------------------------------------------------------------------- patch 0004 (design §2 table)
+
+
+def _patched_mrv2_sources() -> dict[str, str]:
+    """Patch 0004's targets, patched in memory from pristine text (the installed vLLM, or VLLM_DDTREE_PRISTINE_VLLM
+    when the installed one carries another patch set)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "apply_patches.py"
+    spec = importlib.util.spec_from_file_location("apply_patches", tool)
+    ap = sys.modules.get("apply_patches")
+    if ap is None:
+        ap = importlib.util.module_from_spec(spec)
+        sys.modules["apply_patches"] = ap
+        spec.loader.exec_module(ap)
+    from test_apply_patches import pristine_target
+
+    ps = ap.load_patch_set()
+    installed = ap.find_vllm_root(None)
+    out = {}
+    for path in ("vllm/v1/worker/gpu/spec_decode/__init__.py", "vllm/v1/worker/gpu/model_runner.py"):
+        out[path] = ap.patched_text(ps, path, pristine_target(ps, installed, path))
+    return out
+
+
+def _function_source(module_text: str, name: str) -> str:
+    import ast
+
+    tree = ast.parse(module_text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(module_text, node)
+    raise AssertionError(f"no function {name}")
+
+
+def test_patch_0004_hooks_sit_where_the_design_needs_them():
+    sources = _patched_mrv2_sources()
+    init = _function_source(sources["vllm/v1/worker/gpu/spec_decode/__init__.py"], "init_speculator")
+    assert init.index("tree_budget is not None") < init.index("DDTreeSpeculator(") < init.index('== "dflash"')
+    runner = sources["vllm/v1/worker/gpu/model_runner.py"]
+    load = _function_source(runner, "load_model")
+    assert load.index("RejectionSampler(") < load.index('"make_rejection_sampler"')
+    execute = _function_source(runner, "execute_model")
+    # After the slot mapping (prepare_attn) and before the attention metadata and the forward read positions.
+    hook = execute.index('"prepare_verify"')
+    assert execute.index("self.prepare_attn(input_batch)") < hook < execute.index("self.model_state.prepare_attn(")
+    assert hook < execute.index("self.model_state.prepare_inputs(")

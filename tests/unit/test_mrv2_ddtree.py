@@ -593,3 +593,12 @@ def test_chain_order_matches_the_v1_host_built_order():
     got = chain_order(accepted, torch.from_numpy(root_rows_np), num_tokens)
     assert torch.equal(got, v1_order(accepted, root_rows_np, num_tokens))
     assert got[:3].tolist() == [0, 2, 5] and got[9:13].tolist() == [9, 10, 12, 13]
+
+
+def test_step_timing_marks_the_verify_phases_in_order(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_DDTREE_STEP_TIMING", str(tmp_path))
+    step = FakeStep()
+    _kv_fixture(step)
+    _run_sampler(step)
+    assert [name for name, _, _ in step.verifier.timer.marks] == ["prepare", "prepared", "sample", "walked",
+                                                                   "compacted"]

@@ -26,6 +26,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm_ddtree.attention import backend as tree_backends
 from vllm_ddtree.cuda_graphs import warn_if_trees_outgrow_graphs
 from vllm_ddtree.mrv2.verifier import MRV2TreeSampler, MRV2TreeVerifier
+from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.verify_layout import TREE_FIELDS
@@ -51,7 +52,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._anchor_idx = torch.arange(self.max_num_reqs, dtype=torch.int64, device=device) * self.num_query_per_req
         self.batch_trees = TreeBatch.allocate(self.max_num_reqs, self.tree_budget, device)  # by batch row
         self.req_trees = TreeBatch.allocate(self.max_num_reqs, self.tree_budget, device)  # by request slot
-        self.verifier = MRV2TreeVerifier(self.req_trees, self.tree_depth, self.max_num_tokens, device)
+        self.timer = StepTimer(device)
+        self.verifier = MRV2TreeVerifier(self.req_trees, self.tree_depth, self.max_num_tokens, device, self.timer)
         # Runs in the runner's __init__, before the target model is built: its layers get the tree backends.
         tree_backends.select_tree_attention_backend(vllm_config)
         tree_backends.install()
@@ -129,12 +131,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         is_profile: bool = False,
     ) -> torch.Tensor:
         verifier = self.verifier
-        if verifier.rows is not None and not dummy_run:
+        timed = verifier.rows is not None and not dummy_run
+        if timed:
+            self.timer.mark("propose")
             # DFlash takes every scheduled row as context: the accepted path must be the first 1 + m rows.
             if aux_hidden_states:
                 aux_hidden_states = verifier.linearise(input_batch, aux_hidden_states)
             else:
                 [last_hidden_states] = verifier.linearise(input_batch, [last_hidden_states])
+            self.timer.mark("linearised")
+            self.timer.mark("build")
         verifier.finish_step()
         draft_tokens = super().propose(
             input_batch,
@@ -156,6 +162,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         )
         if not dummy_run:  # dummy batches' slots 0..R-1 may belong to live requests
             self.file_trees(input_batch)
+        if timed:
+            self.timer.mark("built")
         return draft_tokens
 
     def file_trees(self, input_batch) -> None:

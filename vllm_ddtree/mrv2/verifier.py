@@ -29,6 +29,7 @@ import torch
 from vllm_ddtree import verify_step
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.sampler import TreeWalkOutput, walk_tree
+from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.verify_layout import chain_order, depth_position_shift, gather_trees
 
@@ -60,12 +61,14 @@ class MRV2TreeVerifier:
         depth: int,
         max_num_tokens: int,
         device: torch.device,
+        timer: StepTimer | None = None,
     ):
         max_reqs = req_trees.token_ids.shape[0]
         self.req_trees = req_trees
         self.budget = req_trees.budget
         self.depth = depth
         self.device = device
+        self.timer = timer or StepTimer(device)  # VLLM_DDTREE_STEP_TIMING; "build -> built" is DFlash's whole pass
         # This step's trees in batch order: what the attention kernel (ancestor_bits) and the walk read.
         self.verify_trees = TreeBatch.allocate(max_reqs, self.budget, device)
         self.node_tokens = torch.zeros(max_reqs, self.budget + 1, dtype=torch.int64, device=device)
@@ -95,6 +98,7 @@ class MRV2TreeVerifier:
         self.walked = False
         if input_batch.num_draft_tokens == 0:  # also every dummy/capture batch (InputBatch.make_dummy)
             return
+        self.timer.mark("prepare")
         num_reqs = input_batch.num_reqs
         rows = input_batch.logits_indices
         num_logits = rows.shape[0]
@@ -150,6 +154,7 @@ class MRV2TreeVerifier:
                 row_node=node,
             )
         )
+        self.timer.mark("prepared")
 
     # ------------------------------------------------------------------ after the target forward
 
@@ -163,6 +168,7 @@ class MRV2TreeVerifier:
         self._walk_graphs(num_reqs)
         self.tree_rows[:num_reqs].fill_(-1)
         self.walked = True
+        self.timer.mark("walked")
         if self.check_ranks:
             from vllm_ddtree.verifier import check_ranks_agree
 
@@ -185,6 +191,7 @@ class MRV2TreeVerifier:
         ctx_lens = input_batch.seq_lens[:num_reqs] - (cu[1:] - cu[:-1])  # the roots' positions s
         block_table = self.block_tables.input_block_tables[self.compaction.group][:num_reqs]
         self.compaction(block_table, ctx_lens, self.walk.accepted_node_ids[:num_reqs])
+        self.timer.mark("compacted")
 
     # ------------------------------------------------------------------ for the drafter
 
@@ -225,6 +232,7 @@ class MRV2TreeSampler:
 
         sampler = self.sampler
         verifier = self.verifier
+        verifier.timer.mark("sample")
         num_nans = get_num_nans(logits) if sampler.compute_nans else None
         rows = input_batch.logits_indices
         max_num_logprobs = sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)

@@ -4,21 +4,29 @@ Users write ``{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tok
 
 - ``num_speculative_tokens``: the node budget B, i.e. the speculative tokens the target verifies per step (the tree's
   non-root nodes). Defaults to ``DEFAULT_TREE_BUDGET``.
-- ``tree_depth``: the deepest node, i.e. how many DFlash draft positions feed the tree. Defaults to the drafter's
-  ``block_size - 1`` (all positions one DFlash pass produces).
+- ``tree_depth``: the deepest node, i.e. how many DFlash draft positions feed the tree. Defaults to
+  ``min(block_size - 1, B)`` (all positions one DFlash pass produces, but no deeper than B: a tree of B nodes is at
+  most B deep); at most that.
 
 The patched ``SpeculativeConfig`` (patches/vllm-0.26.0/0001) calls ``prepare_ddtree_method`` first thing in
 ``__post_init__``: it checks what needs no drafter, records the budget in ``tree_budget`` and turns the method into
 ``"dflash"``, so vLLM loads and runs the drafter exactly as it does for the DFlash chain and only the verify/accept
 path differs. ``validate_ddtree_drafter`` runs at the end of validation, once the drafter's config is loaded: it
-fixes ``tree_depth`` and sets ``num_speculative_tokens = max(budget, depth)``, because vLLM sizes every per-step
-reservation by it (scheduler lookahead slots, the drafter's query of ``1 + depth`` tokens, the drafter-fits check),
-while the scheduler schedules only the drafts we return, i.e. the ``budget`` tree nodes.
+fixes ``tree_depth`` (at most the budget) and leaves ``num_speculative_tokens = budget``: vLLM sizes every per-step
+reservation by it (scheduler lookahead slots and async placeholders, the drafter-fits check, Model Runner V2's
+``draft_tokens`` and decode query of ``1 + B``), and a tree fills exactly B drafts.
+
+Model Runner V2 (experimental, ``VLLM_DDTREE_MRV2=1``): patch 0001 asks ``mrv2_gaps`` which parts of a configuration
+the MRV2 port does not cover; any gap keeps the engine on the V1 runner, as does an unset ``VLLM_DDTREE_MRV2``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# Opt-in for DDTree on Model Runner V2 (docs/model-runner-v2.md); unset, ddtree always runs on the V1 runner.
+MRV2_ENV = "VLLM_DDTREE_MRV2"
 
 DEFAULT_TREE_BUDGET = 64
 # vLLM's scheduler, runner buffers and the output contract are sized by num_speculative_tokens; 128 is vLLM's own
@@ -103,29 +111,72 @@ def validate_ddtree_drafter(spec: Any) -> None:
     _refuse_drafter_for_another_target(spec, hf_config)
     block_size = drafter_block_size(hf_config)
     max_depth = block_size - 1
+    budget = spec.tree_budget
     if spec.tree_depth is None:
-        spec.tree_depth = max_depth
+        spec.tree_depth = min(max_depth, budget)
     elif spec.tree_depth > max_depth:
         raise DDTreeConfigError(
             f"ddtree tree_depth={spec.tree_depth} exceeds what one pass of this drafter predicts "
             f"(block_size {block_size} - 1 = {max_depth}); use tree_depth <= {max_depth}"
         )
-    spec.num_speculative_tokens = max(spec.tree_budget, spec.tree_depth)
+    elif spec.tree_depth > budget:
+        raise DDTreeConfigError(
+            f"ddtree tree_depth={spec.tree_depth} exceeds the node budget (num_speculative_tokens={budget}): a tree "
+            f"of {budget} nodes is at most {budget} deep; use tree_depth <= {budget} or drop it"
+        )
+    spec.num_speculative_tokens = budget
 
 
 def check_async_scheduling(spec: Any) -> None:
-    """Explicit ``--async-scheduling`` with ddtree (experimental, GPU only: vLLM's CPU engine turns it off).
-
-    The async scheduler schedules ``num_speculative_tokens`` placeholder drafts per request before it sees the
-    tree, so the tree must fill every one of them: the budget may not be below the depth (config.py sets
-    ``num_speculative_tokens = max(budget, depth)``).
-    """
-    if spec.tree_budget < spec.tree_depth:
+    """Explicit ``--async-scheduling`` with ddtree (experimental on the V1 runner, GPU only: vLLM's CPU engine turns
+    it off). The async scheduler schedules ``num_speculative_tokens`` placeholder drafts per request before it sees
+    the tree, so the tree must fill every one of them: ``validate_ddtree_drafter`` keeps the depth within the budget
+    and ``num_speculative_tokens`` equal to it; this guards that invariant."""
+    if spec.tree_depth > spec.tree_budget or spec.num_speculative_tokens != spec.tree_budget:
         raise DDTreeConfigError(
-            f"ddtree with async scheduling needs num_speculative_tokens (the node budget, {spec.tree_budget}) >= "
-            f"tree_depth ({spec.tree_depth}); raise the budget, set tree_depth <= budget, or use "
-            "--no-async-scheduling"
+            f"ddtree with async scheduling needs tree_depth ({spec.tree_depth}) <= num_speculative_tokens (the node "
+            f"budget, {spec.tree_budget}); set tree_depth <= budget, or use --no-async-scheduling"
         )
+
+
+def mrv2_enabled() -> bool:
+    """Whether the user opted in to DDTree on Model Runner V2 (``VLLM_DDTREE_MRV2=1``)."""
+    return os.environ.get(MRV2_ENV, "0") == "1"
+
+
+def mrv2_gaps(vllm_config: Any) -> list[str]:
+    """What of this ddtree configuration Model Runner V2 cannot run yet; vLLM then uses the V1 runner.
+
+    Called from ``VllmConfig._get_v2_model_runner_unsupported_features`` (patch 0001), i.e. from inside
+    ``use_v2_model_runner``: it must not read that property. Without ``VLLM_DDTREE_MRV2=1`` the whole method is a
+    gap, named as on the V1-only releases, so the engine falls back exactly as before.
+    """
+    if not mrv2_enabled():
+        return ["ddtree speculative decoding"]
+    gaps = []
+    model_config = vllm_config.model_config
+    if model_config is not None and (
+        getattr(model_config, "uses_mrope", False) or getattr(model_config, "is_multimodal_model", False)
+    ):
+        # model_state.prepare_inputs recomputes M-RoPE positions after the depth-position hook.
+        gaps.append("ddtree with M-RoPE or multimodal targets")
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size > 1:
+        gaps.append("ddtree with data parallelism (untested on Model Runner V2)")
+    if parallel.pipeline_parallel_size > 1:
+        gaps.append("ddtree with pipeline parallelism")
+    if getattr(vllm_config.speculative_config, "use_local_argmax_reduction", False):
+        gaps.append("ddtree with use_local_argmax_reduction (the tree build needs the full draft logits)")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        gaps.append("ddtree off CUDA GPUs")
+    return gaps
+
+
+def runs_on_mrv2(vllm_config: Any) -> bool:
+    """Whether this ddtree engine runs on Model Runner V2 (then async scheduling works as for the DFlash chain)."""
+    return mrv2_enabled() and vllm_config.use_v2_model_runner
 
 
 def _refuse_drafter_for_another_target(spec: Any, hf_config: Any) -> None:

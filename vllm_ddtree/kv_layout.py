@@ -1,9 +1,11 @@
-"""Find the target model's attention KV caches inside a vLLM runner and compact them after a tree walk.
+"""Find the target model's attention KV caches and compact them after a tree walk (either runner).
 
 vLLM keeps one cache tensor per attention layer (``static_forward_context[name].kv_cache``), laid out by the
-layer's backend. This maps each to views ``[num_blocks, block_size, H, E]`` (kv_compact.py's contract)
-and picks the compaction path: the Triton kernel (one launch for all layers) on GPU, the PyTorch one on CPU. The
-drafter's own layers are left alone: DFlash rewrites its context K/V from the (linearised) target hidden states.
+layer's backend. Both runners hand over that context, the drafter's layer names and the KV cache groups, and pass
+each step's batch-ordered block table of the target's group (``group``). This maps each cache to views
+``[num_blocks, block_size, H, E]`` (kv_compact.py's contract) and picks the compaction path: the Triton kernel (one
+launch for all layers) on GPU, the PyTorch one on CPU. The drafter's own layers are left alone: DFlash rewrites its
+context K/V from the (linearised) target hidden states.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ from vllm_ddtree.kv_compact import KVCompactor, kv_compact_torch
 
 
 class TargetKVCompaction:
-    def __init__(self, runner):
-        forward_context = runner.compilation_config.static_forward_context
-        draft_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-        groups = runner.kv_cache_config.kv_cache_groups
+    def __init__(self, forward_context: dict, draft_layer_names, kv_cache_groups):
+        draft_layers = set(draft_layer_names)
+        groups = kv_cache_groups
         target_groups = [
             gid for gid, g in enumerate(groups) if any(name not in draft_layers for name in g.layer_names)
         ]
@@ -48,12 +49,11 @@ class TargetKVCompaction:
                     f"{type(impl).__name__} (on GPU pass --attention-backend TRITON_ATTN)"
                 )
         self.views = views
-        self.runner = runner
         self.kernel = KVCompactor(views) if kinds == {"triton"} else None
 
-    def __call__(self, ctx_lens: torch.Tensor, accepted: torch.Tensor) -> None:
-        num_reqs = accepted.shape[0]
-        block_table = self.runner.input_batch.block_table[self.group].get_device_tensor(num_reqs)
+    def __call__(self, block_table: torch.Tensor, ctx_lens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """``block_table [>= R, max_blocks]`` of group ``self.group`` in batch order, ``ctx_lens [R]`` (the roots'
+        positions), ``accepted [R, L+1]`` (the walk's node ids)."""
         if self.kernel is not None:
             self.kernel(block_table, ctx_lens, accepted)
         else:

@@ -3,8 +3,8 @@
 vLLM's runner drives it exactly like ``DFlashProposer`` (patch 0002 builds it instead when ``tree_budget`` is set).
 Three differences:
 
-1. The drafter always drafts ``tree_depth`` positions; the runner's ``num_speculative_tokens`` is
-   ``max(budget, depth)`` (config.py) and only sizes vLLM's reservations.
+1. The drafter always drafts ``tree_depth`` positions; the runner's ``num_speculative_tokens`` is the budget
+   (config.py caps the depth by it) and only sizes vLLM's reservations.
 2. Before drafting, the verify step's accepted path is made a straight chain in the target inputs the drafter reads
    (rows ``root, a1..am`` moved to the front of each request's block), so DFlash's input kernel, which takes the
    first ``1 + m`` rows as context, works unchanged.
@@ -14,8 +14,6 @@ Three differences:
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 from vllm.config import VllmConfig
@@ -23,54 +21,12 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
+from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket, warn_if_trees_outgrow_graphs
 from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.verifier import TreeRejectionSampler, TreeVerifier
-
-logger = logging.getLogger("vllm_ddtree")
-
-
-def _select_tree_attention_backend(vllm_config: VllmConfig) -> None:
-    """On GPU the target must run on TRITON_ATTN, the backend our tree kernel extends (CPU has only CPU_ATTN);
-    the tree kernels read K/V in the model's dtype, so a quantized KV cache is refused."""
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    kv_dtype = vllm_config.cache_config.cache_dtype
-    if kv_dtype != "auto":
-        raise ValueError(f"ddtree does not support a quantized KV cache yet (--kv-cache-dtype {kv_dtype}); drop it")
-    if not current_platform.is_cuda_alike():
-        return
-    attention = vllm_config.attention_config
-    if attention.backend is None:
-        attention.backend = AttentionBackendEnum.TRITON_ATTN
-    elif attention.backend != AttentionBackendEnum.TRITON_ATTN:
-        raise ValueError(
-            f"ddtree verifies trees on the TRITON_ATTN backend; got --attention-backend {attention.backend.name}. "
-            "Drop --attention-backend or set it to TRITON_ATTN."
-        )
-
-
-def _warn_if_trees_outgrow_graphs(vllm_config: VllmConfig, budget: int) -> None:
-    """vLLM captures graphs up to 512 tokens by default; a verify step of more requests x (1 + B) tokens runs
-    without them (measured on an H200: B=64 at batch 8, 520 tokens, ran 2.7x slower than at B=16)."""
-    compilation = vllm_config.compilation_config
-    sizes = compilation.cudagraph_capture_sizes or []
-    if vllm_config.model_config.enforce_eager or not sizes:
-        return
-    per_request = 1 + budget
-    graphed = max(sizes) // per_request
-    scheduler = vllm_config.scheduler_config
-    max_reqs = scheduler.max_num_seqs
-    if graphed < max_reqs:
-        logger.warning(
-            "ddtree: verify steps of more than %d requests (x %d tokens) exceed the largest CUDA graph (%d tokens) "
-            "and run without graphs; raise it with --compilation-config '{\"max_cudagraph_capture_size\": %d}' or "
-            "lower the budget",
-            graphed, per_request, max(sizes), min(max_reqs * per_request, scheduler.max_num_batched_tokens),
-        )
+from vllm_ddtree.verify_layout import chain_order
 
 
 class DDTreeProposer(DFlashProposer):
@@ -91,9 +47,9 @@ class DDTreeProposer(DFlashProposer):
         self._graph_roots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self._placeholder_drafts = torch.zeros(max_reqs * self.tree_depth, dtype=torch.int64, device=device)
         # Before the target model is built: its attention layers then pick the tree-aware backend subclasses.
-        _select_tree_attention_backend(vllm_config)
+        tree_backends.select_tree_attention_backend(vllm_config)
         tree_backends.install()
-        _warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
+        warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -165,13 +121,8 @@ class DDTreeProposer(DFlashProposer):
 
     def _chain_order(self, step, num_tokens: int) -> torch.Tensor:
         """Row permutation putting each request's accepted path right after its root (rows root+k <- root+acc[k])."""
-        acc = self.verifier.walk.accepted_node_ids[: step.num_reqs].to(torch.int64)  # [R, L+1], -1 padded
-        root = torch.from_numpy(step.root_rows_cpu).to(self.device, non_blocking=True)[:, None]
-        k = torch.arange(acc.shape[1], device=self.device)[None, :]
-        dest = torch.where(acc >= 0, root + k, num_tokens)  # invalid entries land in a spill slot
-        order = torch.arange(num_tokens + 1, device=self.device)
-        order.scatter_(0, dest.view(-1), torch.where(acc >= 0, root + acc, num_tokens).view(-1))
-        return order[:num_tokens]
+        root = torch.from_numpy(step.root_rows_cpu).to(self.device, non_blocking=True)
+        return chain_order(self.verifier.walk.accepted_node_ids[: step.num_reqs], root, num_tokens)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         """Parallel drafting's sampling step: build the trees from the logits instead of taking the argmax."""

@@ -23,6 +23,7 @@ from vllm_ddtree import verify_step
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.sampler import TreeWalkOutput, sample_node_tokens, walk_tree
 from vllm_ddtree.tree.layout import TreeBatch
+from vllm_ddtree.verify_layout import depth_position_shift, gather_trees
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -98,8 +99,7 @@ class TreeVerifier:
         # tree's row was reused since) verifies no tree: accepting nothing is always lossless.
         has_tree = (draft_rows >= 0) & (num_draft_tokens > 0)
         index = torch.from_numpy(np.maximum(draft_rows, 0)).to(self.device, non_blocking=True)
-        for name in ("token_ids", "parents", "depths", "ancestor_bits"):
-            torch.index_select(getattr(draft_trees, name), 0, index, out=getattr(self.trees, name)[:num_reqs])
+        gather_trees(draft_trees, index, self.trees)
         num_nodes = torch.from_numpy(np.where(has_tree, num_draft_tokens, 0).astype(np.int32))
         self.trees.num_nodes[:num_reqs].copy_(num_nodes, non_blocking=True)
 
@@ -111,9 +111,8 @@ class TreeVerifier:
         row_request = torch.from_numpy(row_request_np).to(self.device, non_blocking=True)
         row_node = torch.from_numpy(row_node_np).to(self.device, non_blocking=True)
         row_has_tree = torch.from_numpy(np.repeat(has_tree, num_rows)).to(self.device, non_blocking=True)
-        depth = self.trees.depths[row_request, row_node].to(torch.int64)
         # Node i sits at slot s + i but its position is s + depth(i); rows without a tree keep chain positions.
-        shift = torch.where(row_has_tree, depth - row_node, 0)
+        shift = depth_position_shift(self.trees, row_request, row_node, row_has_tree)
         rows = spec_decode_metadata.logits_indices
         runner = self.runner
         runner.positions[rows] += shift
@@ -213,14 +212,20 @@ class TreeVerifier:
 
     def _compact_kv(self, step: verify_step.VerifyStep, walk: TreeWalkOutput) -> None:
         """Move accepted nodes' K/V from s + node to s + depth in every target attention layer."""
+        runner = self.runner
         if self._compact is None:
             from vllm_ddtree.kv_layout import TargetKVCompaction
 
-            self._compact = TargetKVCompaction(self.runner)
+            self._compact = TargetKVCompaction(
+                runner.compilation_config.static_forward_context,
+                getattr(runner.drafter, "_draft_attn_layer_names", ()) or (),
+                runner.kv_cache_config.kv_cache_groups,
+            )
         num_reqs = step.num_reqs
         num_rows = torch.from_numpy(step.num_nodes_cpu + 1).to(self.device, non_blocking=True)
-        ctx_lens = self.runner.seq_lens[:num_reqs] - num_rows
-        self._compact(ctx_lens, walk.accepted_node_ids[:num_reqs])
+        ctx_lens = runner.seq_lens[:num_reqs] - num_rows
+        block_table = runner.input_batch.block_table[self._compact.group].get_device_tensor(num_reqs)
+        self._compact(block_table, ctx_lens, walk.accepted_node_ids[:num_reqs])
 
 
 class TreeRejectionSampler(torch.nn.Module):

@@ -20,18 +20,18 @@ def test_ddtree_resolves_to_a_dflash_drafter_with_a_tree(tiny_llama_dir, tiny_ll
     config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
     spec = config.speculative_config
     assert spec.method == "dflash" and spec.tree_budget == 4
-    assert spec.tree_depth == 7  # block_size 8 - 1
-    assert spec.num_speculative_tokens == 7  # max(budget, depth): vLLM sizes its reservations by it
+    assert spec.tree_depth == 4  # min(block_size 8 - 1, budget 4): a tree of 4 nodes is at most 4 deep
+    assert spec.num_speculative_tokens == 4  # the budget: vLLM sizes its reservations by it
     assert config.scheduler_config.async_scheduling is False
 
 
 def test_defaults_and_explicit_depth(tiny_llama_dir, tiny_llama_dflash_dir):
     spec = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir)).speculative_config
-    assert spec.tree_budget == 64 and spec.num_speculative_tokens == 64
+    assert (spec.tree_budget, spec.tree_depth, spec.num_speculative_tokens) == (64, 7, 64)
     spec = engine_config(
-        tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=2, tree_depth=3
+        tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4, tree_depth=3
     ).speculative_config
-    assert (spec.tree_budget, spec.tree_depth, spec.num_speculative_tokens) == (2, 3, 3)
+    assert (spec.tree_budget, spec.tree_depth, spec.num_speculative_tokens) == (4, 3, 4)
 
 
 def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
@@ -47,6 +47,7 @@ def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
         ({"num_speculative_tokens": 0}, "greater than 0"),
         ({"num_speculative_tokens": 129}, r"\[1, 128\]"),
         ({"tree_depth": 8}, "exceeds what one pass of this drafter predicts"),
+        ({"num_speculative_tokens": 2, "tree_depth": 3}, "exceeds the node budget"),
         ({"tree_depth": 0}, "greater than or equal to 1"),
         ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0}, "rejection_sample_method"),
         ({"draft_sample_method": "probabilistic"}, "draft_sample_method"),
@@ -121,9 +122,9 @@ def test_tree_depth_needs_ddtree(tiny_llama_dir, tiny_llama_dflash_dir):
 
 
 @pytest.mark.parametrize("budget", [4, 8])
-def test_explicit_async_scheduling_needs_budget_at_least_depth(tiny_llama_dir, tiny_llama_dflash_dir, budget):
-    """The async scheduler schedules num_speculative_tokens = max(budget, depth) placeholder drafts per request;
-    a tree of fewer nodes (budget 4 < depth 7) would leave some unfilled, so it is refused at start-up."""
+def test_explicit_async_scheduling_is_accepted(tiny_llama_dir, tiny_llama_dflash_dir, budget):
+    """The async scheduler schedules num_speculative_tokens placeholder drafts per request; with the depth capped by
+    the budget, num_speculative_tokens is the budget and every tree fills them all, so any budget is accepted."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -136,12 +137,38 @@ def test_explicit_async_scheduling_needs_budget_at_least_depth(tiny_llama_dir, t
             "method": "ddtree", "model": str(tiny_llama_dflash_dir), "num_speculative_tokens": budget,
         },
     )
-    if budget < 7:
-        with pytest.raises(Exception, match=r"tree_depth \(7\).*--no-async-scheduling"):
-            args.create_engine_config()
-    else:
-        config = args.create_engine_config()  # accepted; vLLM's CPU platform then turns async scheduling off
-        assert config.speculative_config.num_speculative_tokens == budget
+    config = args.create_engine_config()  # accepted; vLLM's CPU platform then turns async scheduling off
+    assert config.speculative_config.num_speculative_tokens == budget
+    assert config.speculative_config.tree_depth == min(budget, 7)
+
+
+def test_model_runner_v2_opt_in_falls_back_to_v1_off_gpu(tiny_llama_dir, tiny_llama_dflash_dir, monkeypatch):
+    """With VLLM_DDTREE_MRV2=1 the CPU platform is still a gap: the V1 runner, and async scheduling off by default."""
+    monkeypatch.setenv("VLLM_DDTREE_MRV2", "1")
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
+    assert config.use_v2_model_runner is False
+    assert config.scheduler_config.async_scheduling is False
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_model_runner_v2_opt_in_on_a_gpu_platform(tiny_llama_dir, tiny_llama_dflash_dir, monkeypatch, opt_in):
+    """On a platform where Model Runner V2 can run (faked here: CUDA and Triton), ddtree uses it only with
+    VLLM_DDTREE_MRV2=1; without it the engine stays on the V1 runner exactly as before."""
+    import inspect
+
+    import vllm.config.vllm as vllm_config_module
+    from vllm.platforms import current_platform
+
+    if "mrv2_gaps" not in inspect.getsource(vllm_config_module.VllmConfig._get_v2_model_runner_unsupported_features):
+        pytest.skip("the installed vLLM carries another branch's patch 0001")
+    monkeypatch.setenv("VLLM_DDTREE_MRV2", "1" if opt_in else "0")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
+    assert config.use_v2_model_runner is opt_in
+    gaps = config._get_v2_model_runner_unsupported_features()
+    assert gaps == ([] if opt_in else ["ddtree speculative decoding"])
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,7 @@ def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
     """B=64 at 8 requests is 520 tokens, past vLLM's default 512-token graphs: say so at start-up, with the fix."""
     from types import SimpleNamespace
 
-    from vllm_ddtree.proposer import _warn_if_trees_outgrow_graphs
+    from vllm_ddtree.cuda_graphs import warn_if_trees_outgrow_graphs
 
     def config(max_seqs, sizes, eager=False):
         return SimpleNamespace(
@@ -80,9 +80,9 @@ def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
 
     sizes = list(range(65, 513, 65))
     with caplog.at_level("WARNING", logger="vllm_ddtree"):
-        _warn_if_trees_outgrow_graphs(config(7, sizes), 64)
-        _warn_if_trees_outgrow_graphs(config(8, sizes, eager=True), 64)
+        warn_if_trees_outgrow_graphs(config(7, sizes), 64)
+        warn_if_trees_outgrow_graphs(config(8, sizes, eager=True), 64)
         assert not warnings()
-        _warn_if_trees_outgrow_graphs(config(8, sizes), 64)
+        warn_if_trees_outgrow_graphs(config(8, sizes), 64)
     [message] = warnings()
     assert "more than 7 requests" in message and '"max_cudagraph_capture_size": 520' in message

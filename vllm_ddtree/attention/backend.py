@@ -30,8 +30,30 @@ TREE_KERNEL_IN_GRAPHS = os.environ.get("VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS", "1")
 
 
 def install() -> None:
+    """Point vLLM's CPU_ATTN and TRITON_ATTN at the tree subclasses (before the target model is built)."""
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.TreeCPUAttentionBackend")
     register_backend(AttentionBackendEnum.TRITON_ATTN, f"{__name__}.TreeTritonAttentionBackend")
+
+
+def select_tree_attention_backend(vllm_config) -> None:
+    """On GPU the target must run on TRITON_ATTN, the backend our tree kernel extends (CPU has only CPU_ATTN);
+    the tree kernels read K/V in the model's dtype, so a quantized KV cache is refused."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    kv_dtype = vllm_config.cache_config.cache_dtype
+    if kv_dtype != "auto":
+        raise ValueError(f"ddtree does not support a quantized KV cache yet (--kv-cache-dtype {kv_dtype}); drop it")
+    if not current_platform.is_cuda_alike():
+        return
+    attention = vllm_config.attention_config
+    if attention.backend is None:
+        attention.backend = AttentionBackendEnum.TRITON_ATTN
+    elif attention.backend != AttentionBackendEnum.TRITON_ATTN:
+        raise ValueError(
+            f"ddtree verifies trees on the TRITON_ATTN backend; got --attention-backend {attention.backend.name}. "
+            "Drop --attention-backend or set it to TRITON_ATTN."
+        )
 
 
 def unsupported_feature(impl) -> str | None:

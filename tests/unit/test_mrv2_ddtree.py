@@ -1,0 +1,604 @@
+"""DDTree on Model Runner V2 (docs/model-runner-v2.md), on the CPU: config, patch 0004, and the glue around
+vLLM's MRV2 kernels (run through TRITON_INTERPRET=1, tests/unit/conftest.py) with fake input batches."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_ddtree import config as ddtree_config
+
+# ----------------------------------------------------------------------------- config (design §2.9, §2.10)
+
+
+def drafter_spec(budget: int, depth: int | None, block_size: int = 16) -> SimpleNamespace:
+    hf_config = SimpleNamespace(architectures=["DFlashDraftModel"], block_size=block_size)
+    return SimpleNamespace(
+        tree_budget=budget,
+        tree_depth=depth,
+        num_speculative_tokens=budget,
+        model="drafter",
+        draft_model_config=SimpleNamespace(hf_config=hf_config, architectures=["DFlashDraftModel"]),
+        target_model_config=None,
+    )
+
+
+@pytest.mark.parametrize(
+    "budget, depth, want_depth",
+    [(64, None, 15), (8, None, 8), (1, None, 1), (64, 4, 4), (4, 4, 4)],
+)
+def test_depth_is_capped_by_the_budget_and_speculative_tokens_are_the_budget(budget, depth, want_depth):
+    spec = drafter_spec(budget, depth)
+    ddtree_config.validate_ddtree_drafter(spec)
+    assert (spec.tree_depth, spec.num_speculative_tokens) == (want_depth, budget)
+    ddtree_config.check_async_scheduling(spec)  # the invariant the async scheduler's placeholders need
+
+
+@pytest.mark.parametrize(
+    "budget, depth, message",
+    [(4, 5, "exceeds the node budget"), (64, 16, "exceeds what one pass of this drafter predicts")],
+)
+def test_depth_beyond_budget_or_block_is_refused(budget, depth, message):
+    with pytest.raises(ddtree_config.DDTreeConfigError, match=message):
+        ddtree_config.validate_ddtree_drafter(drafter_spec(budget, depth))
+
+
+class _NoRunnerQuestion:
+    @property
+    def use_v2_model_runner(self):  # mrv2_gaps runs inside this property: reading it would recurse
+        raise AssertionError("use_v2_model_runner read")
+
+
+def mrv2_vllm_config(**changes) -> SimpleNamespace:
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(uses_mrope=False, is_multimodal_model=False),
+        parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=SimpleNamespace(use_local_argmax_reduction=False, tree_budget=64),
+    )
+    for path, value in changes.items():
+        obj, attr = path.split("__")
+        setattr(getattr(config, obj), attr, value)
+    return config
+
+
+@pytest.fixture()
+def on_cuda(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+
+
+def test_without_opt_in_ddtree_stays_a_v1_only_method(monkeypatch):
+    monkeypatch.delenv(ddtree_config.MRV2_ENV, raising=False)
+    assert ddtree_config.mrv2_gaps(_NoRunnerQuestion()) == ["ddtree speculative decoding"]
+    assert ddtree_config.runs_on_mrv2(_NoRunnerQuestion()) is False
+    monkeypatch.setenv(ddtree_config.MRV2_ENV, "0")
+    assert ddtree_config.mrv2_gaps(_NoRunnerQuestion()) == ["ddtree speculative decoding"]
+
+
+def test_opt_in_on_cuda_has_no_gaps(monkeypatch, on_cuda):
+    monkeypatch.setenv(ddtree_config.MRV2_ENV, "1")
+    assert ddtree_config.mrv2_gaps(mrv2_vllm_config()) == []
+    assert ddtree_config.runs_on_mrv2(SimpleNamespace(use_v2_model_runner=True)) is True
+    assert ddtree_config.runs_on_mrv2(SimpleNamespace(use_v2_model_runner=False)) is False
+
+
+@pytest.mark.parametrize(
+    "change, gap",
+    [
+        ({"model_config__uses_mrope": True}, "M-RoPE"),
+        ({"model_config__is_multimodal_model": True}, "multimodal"),
+        ({"parallel_config__data_parallel_size": 2}, "data parallelism"),
+        ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
+        ({"speculative_config__use_local_argmax_reduction": True}, "use_local_argmax_reduction"),
+    ],
+)
+def test_opt_in_gaps_fall_back_to_v1(monkeypatch, on_cuda, change, gap):
+    monkeypatch.setenv(ddtree_config.MRV2_ENV, "1")
+    gaps = ddtree_config.mrv2_gaps(mrv2_vllm_config(**change))
+    assert len(gaps) == 1 and gap in gaps[0]
+
+
+def test_opt_in_off_cuda_is_a_gap(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setenv(ddtree_config.MRV2_ENV, "1")
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
+    assert ddtree_config.mrv2_gaps(mrv2_vllm_config()) == ["ddtree off CUDA GPUs"]
+
+
+# ----------------------------------------------------------------------------- patch 0004 (design §2 table)
+
+
+def _patched_mrv2_sources() -> dict[str, str]:
+    """Patch 0004's targets, patched in memory from pristine text (the installed vLLM, or VLLM_DDTREE_PRISTINE_VLLM
+    when the installed one carries another patch set)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "apply_patches.py"
+    spec = importlib.util.spec_from_file_location("apply_patches", tool)
+    ap = sys.modules.get("apply_patches")
+    if ap is None:
+        ap = importlib.util.module_from_spec(spec)
+        sys.modules["apply_patches"] = ap
+        spec.loader.exec_module(ap)
+    from test_apply_patches import pristine_target
+
+    ps = ap.load_patch_set()
+    installed = ap.find_vllm_root(None)
+    out = {}
+    for path in ("vllm/v1/worker/gpu/spec_decode/__init__.py", "vllm/v1/worker/gpu/model_runner.py"):
+        out[path] = ap.patched_text(ps, path, pristine_target(ps, installed, path))
+    return out
+
+
+def _function_source(module_text: str, name: str) -> str:
+    import ast
+
+    tree = ast.parse(module_text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(module_text, node)
+    raise AssertionError(f"no function {name}")
+
+
+def test_patch_0004_hooks_sit_where_the_design_needs_them():
+    sources = _patched_mrv2_sources()
+    init = _function_source(sources["vllm/v1/worker/gpu/spec_decode/__init__.py"], "init_speculator")
+    assert init.index("tree_budget is not None") < init.index("DDTreeSpeculator(") < init.index('== "dflash"')
+    runner = sources["vllm/v1/worker/gpu/model_runner.py"]
+    load = _function_source(runner, "load_model")
+    assert load.index("RejectionSampler(") < load.index('"make_rejection_sampler"')
+    execute = _function_source(runner, "execute_model")
+    # After the slot mapping (prepare_attn) and before the attention metadata and the forward read positions.
+    hook = execute.index('"prepare_verify"')
+    assert execute.index("self.prepare_attn(input_batch)") < hook < execute.index("self.model_state.prepare_attn(")
+    assert hook < execute.index("self.model_state.prepare_inputs(")
+
+
+# ----------------------------------------------------------------------------- a fake MRV2 verify step (§3)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from vllm_ddtree import verify_step  # noqa: E402
+from vllm_ddtree.kv_compact import kv_compact_torch  # noqa: E402
+from vllm_ddtree.tree.build import build_tree  # noqa: E402
+from vllm_ddtree.tree.layout import TreeBatch  # noqa: E402
+from vllm_ddtree.verify_layout import chain_order  # noqa: E402
+
+MAX_REQS, BUDGET, DEPTH, VOCAB = 8, 6, 3, 32
+MAX_TOKENS, KV_BLOCK, MAX_BLOCKS = 64, 4, 16
+PREFILL_LEN = 30
+
+# Batch order (MRV2 sorts decodes first): (request slot, kind, scheduled drafts, num_computed s)
+REQUESTS = [
+    (5, "tree", BUDGET, 20),  # fresh tree, all B drafts
+    (2, "tree", 3, 11),  # fresh tree, drafts truncated by the scheduler (a prefix of the node list)
+    (0, "stale", BUDGET, 7),  # fed zeroed drafts (new/resumed request) while its slot holds an older tree
+    (3, "nodraft", 0, 9),  # a decode without drafts
+    (6, "prefill", 0, 0),  # a chunk of a longer prompt: samples nothing
+]
+PREFILL_CHUNK = 4
+
+
+def _tree_children(trees: TreeBatch, row: int, limit: int) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for i in range(1, limit + 1):
+        children.setdefault(int(trees.parents[row, i]), []).append(i)
+    return children
+
+
+def _two_track_draft_logits(gen: torch.Generator) -> torch.Tensor:
+    """Draft logits with two strong tokens per depth: the tree branches in two at every level (deep and bushy)."""
+    logits = torch.randn(1, DEPTH, VOCAB, generator=gen)
+    top = torch.randperm(VOCAB, generator=gen)[: 2 * DEPTH].view(DEPTH, 2)
+    for d in range(DEPTH):
+        logits[0, d, top[d, 0]] += 6.0
+        logits[0, d, top[d, 1]] += 5.9
+    return logits
+
+
+def _subtree_height(children: dict[int, list[int]], node: int) -> int:
+    return 1 + max((_subtree_height(children, c) for c in children.get(node, [])), default=0)
+
+
+class StubSampler:
+    """MRV2's Sampler as the tree sampler uses it (the real one needs pinned memory and a GPU): argmax per row."""
+
+    compute_nans = False
+    logprobs_mode = "raw_logprobs"
+
+    def __init__(self, prefill_len: torch.Tensor, num_logprobs: int = -1):
+        self.req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=prefill_len))
+        self.sampling_states = SimpleNamespace(max_num_logprobs=lambda idx_mapping_np: num_logprobs)
+        self.positions_seen: list[torch.Tensor] = []
+
+    def sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, expanded_local_pos,
+               return_logprobs=False):
+        self.positions_seen.append(pos.clone())
+        return logits.argmax(dim=-1), logits
+
+
+class FakeStep:
+    """Request state, trees and an InputBatch made by MRV2's own input kernels, as the runner makes them."""
+
+    def __init__(self, seed: int = 0):
+        from vllm.v1.worker.gpu.input_batch import (
+            InputBuffers,
+            combine_sampled_and_draft_tokens,
+            expand_idx_mapping,
+            prepare_pos_seq_lens,
+        )
+
+        from vllm_ddtree.mrv2.verifier import MRV2TreeVerifier
+
+        gen = torch.Generator().manual_seed(seed)
+        self.gen = gen
+        self.req_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
+        self.verifier = MRV2TreeVerifier(self.req_trees, DEPTH, MAX_TOKENS, torch.device("cpu"))
+        self.last_sampled = torch.randint(1, VOCAB, (MAX_REQS,), generator=gen)
+        self.num_computed = torch.zeros(MAX_REQS, dtype=torch.int32)
+        self.prefill_len = torch.zeros(MAX_REQS, dtype=torch.int32)
+        self.draft_tokens = torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64)
+        for slot, kind, _, s in REQUESTS:
+            self.num_computed[slot] = s
+            self.prefill_len[slot] = PREFILL_LEN if kind == "prefill" else 1
+            if kind in ("tree", "stale"):
+                built = TreeBatch.allocate(1, BUDGET, "cpu")
+                root = self.last_sampled[slot : slot + 1] if kind == "tree" else (self.last_sampled[slot : slot + 1]
+                                                                                    + 1) % VOCAB
+                build_tree(_two_track_draft_logits(gen), BUDGET, built, root)
+                for name in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
+                    getattr(self.req_trees, name)[slot] = getattr(built, name)[0]
+                if kind == "tree":
+                    self.draft_tokens[slot] = built.token_ids[0, 1:]
+
+        num_reqs = len(REQUESTS)
+        idx_mapping_np = np.array([r[0] for r in REQUESTS], dtype=np.int32)
+        nd_np = np.array([r[2] for r in REQUESTS], dtype=np.int32)
+        scheduled = np.array([PREFILL_CHUNK if r[1] == "prefill" else r[2] + 1 for r in REQUESTS], dtype=np.int32)
+        cu_np = np.concatenate([[0], np.cumsum(nd_np + 1)]).astype(np.int32)
+        qsl_np = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
+        num_tokens = int(qsl_np[-1])
+        total_logits = int(cu_np[-1])
+        idx_mapping = torch.from_numpy(idx_mapping_np)
+        cu = torch.from_numpy(cu_np)
+        buffers = InputBuffers(MAX_REQS, MAX_TOKENS, torch.device("cpu"))
+        buffers.query_start_loc[: num_reqs + 1] = torch.from_numpy(qsl_np)
+        buffers.query_start_loc[num_reqs + 1 :] = num_tokens
+        expanded_idx_mapping, expanded_local_pos = expand_idx_mapping(idx_mapping, total_logits, cu, 1 + BUDGET)
+        prepare_pos_seq_lens(idx_mapping, buffers.query_start_loc[: num_reqs + 1], self.num_computed,
+                             buffers.positions, buffers.seq_lens)
+        logits_indices = combine_sampled_and_draft_tokens(
+            buffers.input_ids, idx_mapping, self.last_sampled, buffers.query_start_loc[: num_reqs + 1],
+            buffers.seq_lens[:num_reqs], self.prefill_len, self.draft_tokens, cu, total_logits,
+        )
+        self.buffers = buffers
+        self.batch = SimpleNamespace(
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            idx_mapping=idx_mapping,
+            idx_mapping_np=idx_mapping_np,
+            expanded_idx_mapping=expanded_idx_mapping,
+            expanded_local_pos=expanded_local_pos,
+            num_draft_tokens=int(nd_np.sum()),
+            num_draft_tokens_per_req=nd_np,
+            num_scheduled_tokens=scheduled,
+            query_start_loc=buffers.query_start_loc[: num_reqs + 1],
+            query_start_loc_np=qsl_np,
+            seq_lens=buffers.seq_lens[:num_reqs],
+            input_ids=buffers.input_ids[:num_tokens],
+            positions=buffers.positions[:num_tokens],
+            logits_indices=logits_indices,
+            cu_num_logits=cu,
+            cu_num_logits_np=cu_np,
+        )
+        self.linear_positions = self.batch.positions.clone()
+
+    def root_row(self, r: int) -> int:
+        return int(self.batch.query_start_loc_np[r + 1]) - (REQUESTS[r][2] + 1)
+
+    def target_logits(self) -> tuple[torch.Tensor, dict[int, list[int]], dict[int, int]]:
+        """Logits whose argmax walks each fresh tree down its last-numbered children; returns (logits, accepted
+        node ids per batch row, bonus per batch row)."""
+        logits = torch.randn(int(self.batch.cu_num_logits_np[-1]), VOCAB, generator=self.gen) * 0.1
+        paths, bonus = {}, {}
+        for r, (slot, kind, nd, _) in enumerate(REQUESTS):
+            start = int(self.batch.cu_num_logits_np[r])
+            if kind != "tree":
+                bonus[r] = int(logits[start].argmax())
+                paths[r] = [0]
+                continue
+            children = _tree_children(self.req_trees, slot, nd)
+            path, node = [0], 0
+            while children.get(node):  # the deepest subtree, latest-numbered first: acc[k] != k
+                child = max(children[node], key=lambda c: (_subtree_height(children, c), c))
+                logits[start + node, int(self.req_trees.token_ids[slot, child])] = 10.0
+                path.append(child)
+                node = child
+            taken = {int(self.req_trees.token_ids[slot, c]) for c in children.get(node, [])}
+            token = next(t for t in range(VOCAB) if t not in taken)
+            logits[start + node, token] = 10.0
+            paths[r], bonus[r] = path, token
+        return logits, paths, bonus
+
+
+def test_prepare_verify_writes_depth_positions_for_fresh_trees_only():
+    step = FakeStep()
+    step.verifier.prepare(step.batch)
+    try:
+        batch, verifier = step.batch, step.verifier
+        assert verifier.tree_rows[: batch.num_reqs].tolist() == [0, 1, -1, -1, -1]
+        assert verifier.verify_trees.num_nodes[: batch.num_reqs].tolist() == [BUDGET, 3, 0, 0, 0]
+        for name in ("token_ids", "parents", "depths", "ancestor_bits"):
+            assert torch.equal(getattr(verifier.verify_trees, name)[: batch.num_reqs],
+                               getattr(step.req_trees, name)[batch.idx_mapping.long()])
+        expected = step.linear_positions.clone()
+        for r, (slot, kind, nd, s) in enumerate(REQUESTS):
+            if kind == "tree":
+                root = step.root_row(r)
+                for i in range(nd + 1):
+                    expected[root + i] = s + int(step.req_trees.depths[slot, i])
+        assert torch.equal(batch.positions, expected)
+        assert not torch.equal(expected, step.linear_positions)  # the test batch has real trees
+        current = verify_step.current()
+        assert current is not None and current.num_reqs == batch.num_reqs
+    finally:
+        verify_step.end()
+
+
+def test_prepare_verify_guard_refuses_a_tree_whose_fed_tokens_differ():
+    step = FakeStep()
+    root = step.root_row(0)
+    step.batch.input_ids[root + 2] = (step.batch.input_ids[root + 2] + 1) % VOCAB  # one draft not from the tree
+    step.verifier.prepare(step.batch)
+    verify_step.end()
+    assert step.verifier.tree_rows[:2].tolist() == [-1, 1]
+    assert torch.equal(step.batch.positions[: step.root_row(1)], step.linear_positions[: step.root_row(1)])
+
+
+def test_prepare_verify_skips_steps_without_drafts():
+    step = FakeStep()
+    step.batch.num_draft_tokens = 0
+    step.verifier.prepare(step.batch)
+    assert verify_step.current() is None and step.verifier.rows is None
+    assert torch.equal(step.batch.positions, step.linear_positions)
+
+
+def _kv_fixture(step: FakeStep):
+    """One fake target cache with a distinct value per slot, a per-request-slot block table, and MRV2's
+    batch-ordered gather of it."""
+    cache = torch.arange(MAX_REQS * MAX_BLOCKS * KV_BLOCK * 2, dtype=torch.float32).view(-1, KV_BLOCK, 1, 2)
+    by_slot = torch.randperm(MAX_REQS * MAX_BLOCKS, generator=step.gen).view(MAX_REQS, MAX_BLOCKS).to(torch.int32)
+    batch_table = torch.zeros(MAX_REQS, MAX_BLOCKS, dtype=torch.int32)
+    batch_table[: step.batch.num_reqs] = by_slot[step.batch.idx_mapping.long()]
+    views = [cache]
+
+    class Compaction:
+        group = 0
+
+        def __call__(self, block_table, ctx_lens, accepted):
+            kv_compact_torch(views, block_table, ctx_lens, accepted)
+
+    step.verifier.compaction = Compaction()
+    step.verifier.block_tables = SimpleNamespace(input_block_tables=[batch_table])
+    return cache, by_slot
+
+
+def _run_sampler(step: FakeStep, num_logprobs: int = -1):
+    from vllm_ddtree.mrv2.verifier import MRV2TreeSampler
+
+    sampler = StubSampler(step.prefill_len, num_logprobs)
+    tree_sampler = MRV2TreeSampler(step.verifier, sampler, fallback=None)
+    logits, paths, bonus = step.target_logits()
+    step.verifier.prepare(step.batch)
+    depth_positions = step.batch.positions.clone()
+    out = tree_sampler(logits, step.batch)
+    return out, paths, bonus, sampler, depth_positions, logits
+
+
+def test_tree_sampler_output_contract_and_post_update():
+    from vllm.v1.worker.gpu.input_batch import post_update
+
+    step = FakeStep()
+    cache, by_slot = _kv_fixture(step)
+    before = cache.clone()
+    out, paths, bonus, sampler, depth_positions, _ = _run_sampler(step)
+    assert verify_step.current() is None
+    batch = step.batch
+    # The runner's Sampler drew each node at its depth position (that keys the Gumbel noise).
+    assert torch.equal(sampler.positions_seen[0], depth_positions[batch.logits_indices])
+    assert out.sampled_token_ids.dtype == torch.int64 and out.sampled_token_ids.shape[0] == batch.num_reqs
+    assert out.sampled_token_ids.shape[1] == 1 + DEPTH
+    want_sampled, want_rejected = [], []
+    for r, (slot, kind, nd, _s) in enumerate(REQUESTS):
+        m = len(paths[r]) - 1
+        tokens = [int(step.req_trees.token_ids[slot, node]) for node in paths[r][1:]] + [bonus[r]]
+        if kind == "prefill":
+            want_sampled.append(0)
+            want_rejected.append(0)
+            continue
+        assert out.sampled_token_ids[r, : m + 1].tolist() == tokens
+        want_sampled.append(m + 1)
+        want_rejected.append(nd - m)
+    assert out.num_sampled.tolist() == want_sampled
+    assert out.num_rejected.tolist() == want_rejected
+    assert max(len(p) for p in paths.values()) > 2, "the fixture should accept a path of depth >= 2"
+    assert any(node != k for p in paths.values() for k, node in enumerate(p)), "and one that is not a prefix"
+    assert out.sampled_token_ids.data_ptr() != step.verifier.walk.output_token_ids.data_ptr()
+
+    # post_update (MRV2's device bookkeeping) then gives num_computed = s + 1 + m and last_sampled = the bonus.
+    num_computed = step.num_computed.clone()
+    last_sampled = step.last_sampled.clone()
+    post_update(batch.idx_mapping, num_computed, last_sampled, None, out.sampled_token_ids, out.num_sampled,
+                out.num_rejected, batch.query_start_loc, torch.zeros(MAX_REQS, 256, dtype=torch.int64),
+                torch.zeros(MAX_REQS, dtype=torch.int32))
+    for r, (slot, kind, _nd, s) in enumerate(REQUESTS):
+        if kind == "prefill":
+            assert int(num_computed[slot]) == s + PREFILL_CHUNK
+            continue
+        assert int(num_computed[slot]) == s + len(paths[r])
+        assert int(last_sampled[slot]) == bonus[r]
+
+    # KV compaction: the accepted nodes' K/V moved from s + node to s + depth, in each request's own blocks.
+    expected = before.clone()
+    for r, (slot, _kind, _nd, s) in enumerate(REQUESTS):
+        for k, node in enumerate(paths[r]):
+            src, dst = s + node, s + k
+            sb, db = by_slot[slot, src // KV_BLOCK], by_slot[slot, dst // KV_BLOCK]
+            expected[db, dst % KV_BLOCK] = before[sb, src % KV_BLOCK]
+    assert torch.equal(cache, expected)
+    assert not torch.equal(cache, before)
+
+
+def test_tree_sampler_falls_back_to_vllms_rejection_sampler_without_a_tree_step():
+    from vllm_ddtree.mrv2.verifier import MRV2TreeSampler
+
+    verify_step.end()
+    calls = []
+    tree_sampler = MRV2TreeSampler(verifier=None, sampler=None, fallback=lambda *args: calls.append(args) or "chain")
+    assert tree_sampler("logits", "batch", None) == "chain" and len(calls) == 1
+
+
+def test_linearise_gives_dflash_the_accepted_path_as_a_chain():
+    """After the walk, MRV2's DFlash input kernel must see what it would see for a chain that accepted the path:
+    context positions s.., hidden rows of the path nodes first, queries at s+m+1.., draft seq_len s+m+2+depth."""
+    from vllm.v1.worker.gpu.input_batch import InputBuffers
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
+
+    step = FakeStep()
+    _kv_fixture(step)
+    out, paths, bonus, _, _, _ = _run_sampler(step)
+    batch = step.batch
+    hidden = torch.arange(batch.num_tokens, dtype=torch.float32)[:, None].repeat(1, 3)
+    [linear_hidden] = step.verifier.linearise(batch, [hidden])
+    step.verifier.finish_step()
+    assert torch.equal(batch.positions, step.linear_positions)
+
+    draft = InputBuffers(MAX_REQS, MAX_TOKENS, torch.device("cpu"))
+    n = MAX_TOKENS
+    context_positions = torch.zeros(n, dtype=torch.int64)
+    sample_indices = torch.zeros(MAX_REQS * DEPTH, dtype=torch.int64)
+    block_table = torch.arange(MAX_REQS * MAX_BLOCKS, dtype=torch.int32).view(MAX_REQS, MAX_BLOCKS)
+    last_sampled = step.last_sampled.clone()
+    for r, (slot, kind, _nd, _s) in enumerate(REQUESTS):
+        if kind != "prefill":
+            last_sampled[slot] = bonus[r]
+    prepare_dflash_inputs(
+        draft, torch.zeros(n, dtype=torch.int64), context_positions, torch.zeros(n, dtype=torch.int64),
+        sample_indices, torch.zeros_like(sample_indices), torch.zeros(MAX_REQS * DEPTH, dtype=torch.int32),
+        batch, out.num_sampled, out.num_rejected, last_sampled, torch.zeros(MAX_REQS, dtype=torch.int64),
+        block_table, KV_BLOCK, 0, 1 + DEPTH, DEPTH, MAX_REQS, MAX_TOKENS, 4096,
+    )
+    for r, (_slot, kind, _nd, s) in enumerate(REQUESTS):
+        if kind == "prefill":
+            continue
+        root, m = step.root_row(r), len(paths[r]) - 1
+        for k, node in enumerate(paths[r]):
+            assert torch.equal(linear_hidden[root + k], hidden[root + node])  # path node k's hidden at row k
+            assert int(context_positions[root + k]) == s + k
+        query = draft.positions[r * (1 + DEPTH) : (r + 1) * (1 + DEPTH)].tolist()
+        assert query == list(range(s + m + 1, s + m + 2 + DEPTH))
+        assert int(draft.seq_lens[r]) == s + m + 2 + DEPTH
+        assert int(draft.input_ids[r * (1 + DEPTH)]) == bonus[r]
+
+
+def test_tree_sampler_logprobs_follow_the_accepted_path():
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+    step = FakeStep()
+    _kv_fixture(step)
+    out, paths, bonus, _, _, logits = _run_sampler(step, num_logprobs=2)
+    cu = step.batch.cu_num_logits_np
+    order = torch.arange(logits.shape[0])
+    flat = torch.zeros(logits.shape[0], dtype=torch.int64)
+    for r in range(step.batch.num_reqs):
+        for j, node in enumerate(paths[r]):
+            order[cu[r] + j] = cu[r] + node
+        for j in range(len(paths[r])):
+            flat[cu[r] + j] = out.sampled_token_ids[r, j]
+    want = compute_topk_scores(logits[order], 2, flat, cu.tolist())
+    got = out.logprobs_tensors
+    assert torch.equal(got.logprob_token_ids, want.logprob_token_ids)
+    assert torch.allclose(got.logprobs, want.logprobs)
+
+
+def test_generate_draft_builds_trees_rooted_at_the_anchors():
+    from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
+
+    num_reqs, hidden_size, per_req = 3, 8, 1 + DEPTH
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.randn(hidden_size, VOCAB, generator=gen)
+    hidden = torch.randn(num_reqs * per_req, hidden_size, generator=gen)
+    anchors = torch.arange(MAX_REQS, dtype=torch.int64) * per_req
+    input_ids = torch.randint(0, VOCAB, (MAX_TOKENS,), dtype=torch.int32, generator=gen)
+    sample_indices = torch.tensor([r * per_req + 1 + d for r in range(num_reqs) for d in range(DEPTH)])
+    fake = SimpleNamespace(
+        _run_model=lambda *args: hidden,
+        model=SimpleNamespace(compute_logits=lambda h: h @ weights),
+        sample_indices=sample_indices,
+        input_buffers=SimpleNamespace(input_ids=input_ids),
+        _anchor_idx=anchors,
+        batch_trees=TreeBatch.allocate(MAX_REQS, BUDGET, "cpu"),
+        draft_tokens=torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64),
+        tree_budget=BUDGET,
+        tree_depth=DEPTH,
+    )
+    DDTreeSpeculator._generate_draft(fake, num_reqs, num_reqs * per_req, None, None, None)
+    want = TreeBatch.allocate(num_reqs, BUDGET, "cpu")
+    logits = (hidden[sample_indices] @ weights).view(num_reqs, DEPTH, VOCAB)
+    build_tree(logits, BUDGET, want, input_ids[anchors[:num_reqs]].long())
+    assert torch.equal(fake.batch_trees.token_ids[:num_reqs], want.token_ids)
+    assert torch.equal(fake.batch_trees.parents[:num_reqs], want.parents)
+    assert fake.batch_trees.token_ids[:num_reqs, 0].tolist() == input_ids[anchors[:num_reqs]].tolist()
+    assert torch.equal(fake.draft_tokens[:num_reqs], want.token_ids[:, 1:])
+
+
+def test_file_trees_stores_each_batch_row_under_its_request_slot():
+    from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
+
+    gen = torch.Generator().manual_seed(4)
+    batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
+    build_tree(torch.randn(3, DEPTH, VOCAB, generator=gen), BUDGET, batch_trees, torch.tensor([1, 2, 3]))
+    req_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
+    fake = SimpleNamespace(batch_trees=batch_trees, req_trees=req_trees)
+    idx_mapping = torch.tensor([6, 0, 3], dtype=torch.int32)
+    DDTreeSpeculator.file_trees(fake, SimpleNamespace(num_reqs=3, idx_mapping=idx_mapping))
+    for row, slot in enumerate(idx_mapping.tolist()):
+        for name in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
+            assert torch.equal(getattr(req_trees, name)[slot], getattr(batch_trees, name)[row])
+    assert int(req_trees.num_nodes[1]) == 0  # untouched slots stay empty
+
+
+def test_chain_order_matches_the_v1_host_built_order():
+    """verify_layout.chain_order (device root rows) is V1's former _chain_order (root rows from the host)."""
+    gen = torch.Generator().manual_seed(5)
+    accepted = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 3, 4]], dtype=torch.int32)
+    root_rows_np = np.array([0, 7, 9])
+    num_tokens = 16 + int(torch.randint(0, 3, (1,), generator=gen))
+
+    def v1_order(acc, root_np, n):  # the pre-refactor proposer._chain_order
+        acc = acc.to(torch.int64)
+        root = torch.from_numpy(root_np)[:, None]
+        k = torch.arange(acc.shape[1])[None, :]
+        dest = torch.where(acc >= 0, root + k, n)
+        order = torch.arange(n + 1)
+        order.scatter_(0, dest.view(-1), torch.where(acc >= 0, root + acc, n).view(-1))
+        return order[:n]
+
+    got = chain_order(accepted, torch.from_numpy(root_rows_np), num_tokens)
+    assert torch.equal(got, v1_order(accepted, root_rows_np, num_tokens))
+    assert got[:3].tolist() == [0, 2, 5] and got[9:13].tolist() == [9, 10, 12, 13]
+
+
+def test_step_timing_marks_the_verify_phases_in_order(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_DDTREE_STEP_TIMING", str(tmp_path))
+    step = FakeStep()
+    _kv_fixture(step)
+    _run_sampler(step)
+    assert [name for name, _, _ in step.verifier.timer.marks] == ["prepare", "prepared", "sample", "walked",
+                                                                   "compacted"]

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from vllm_ddtree import step_timing
+from vllm_ddtree.config import MRV2_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
@@ -64,6 +65,8 @@ def worker(args: dict) -> dict:
         kv_cache_memory_bytes=None if args["gpu_memory_utilization"] else 512 << 20,
         distributed_executor_backend="uni" if args["in_process"] else None,
         async_scheduling=async_scheduling,
+        # TP probe on the GPU host: vLLM's custom all-reduce needs CUDA IPC peer access between the GPUs.
+        disable_custom_all_reduce=os.environ.get("BENCH_DISABLE_CUSTOM_ALL_REDUCE") == "1",
         compilation_config={"max_cudagraph_capture_size": int(capture)} if capture else None,
         disable_log_stats=False,
         seed=0,
@@ -157,6 +160,9 @@ def main() -> None:
                         "capturing it is worth")
     parser.add_argument("--async-ab", action="store_true", help="also run every budget with async scheduling "
                         "(--async-scheduling; vLLM turns it on for the chain on GPU and off for ddtree by default)")
+    parser.add_argument("--mrv2", action="store_true", help="also run every budget on Model Runner V2 "
+                        "(VLLM_DDTREE_MRV2=1, experimental) as 'ddtree B=<b> MRV2'; with --same-backend-baselines "
+                        "also no-spec and the chain on MRV2 with TRITON_ATTN ('... MRV2+tri')")
     parser.add_argument("--tree-capture-size", type=int, default=None, help="ddtree engines capture CUDA graphs up "
                         "to this many tokens (vLLM's default stops at 512; batch x (1 + B) above it runs without)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -200,6 +206,9 @@ def main() -> None:
     if args.same_backend_baselines and on_gpu:
         same = {"VLLM_USE_V2_MODEL_RUNNER": "0", "BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
         configs += [("no-spec V1+tri", None, same), ("dflash V1+tri", chain_spec, same)]
+        if args.mrv2:
+            same_v2 = {"BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
+            configs += [("no-spec MRV2+tri", None, same_v2), ("dflash MRV2+tri", chain_spec, same_v2)]
     tree_env = {"BENCH_MAX_CAPTURE_SIZE": str(args.tree_capture_size)} if args.tree_capture_size else {}
     trees = [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
               tree_env) for b in args.budgets]
@@ -209,6 +218,8 @@ def main() -> None:
         configs.append((f"{name} kernel-eager", spec, {**tree_env, "VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS": "0"}))
     if args.async_ab:
         configs += [(f"{name} async", spec, {**tree_env, "BENCH_ASYNC_SCHEDULING": "1"}) for name, spec, _ in trees]
+    if args.mrv2:
+        configs += [(f"{name} MRV2", spec, {**tree_env, MRV2_ENV: "1"}) for name, spec, _ in trees]
     if args.configs:
         wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
         configs = [c for c in configs if c[0] in wanted]
@@ -279,7 +290,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
             })
-            same = results.get("no-spec V1+tri")
+            # the same-backend no-spec on this row's runner (DDTree's kernels and rounding, vLLM's own decode)
+            same = results.get("no-spec MRV2+tri" if res.get("model_runner") == "V2" else "no-spec V1+tri")
             if same:
                 table[-1]["outputs_differing_from_same_backend_no_spec"] = sum(
                     a != b for a, b in zip(row["token_ids"], same["rows"][i]["token_ids"]))

@@ -21,6 +21,8 @@
 #   tax    the tree tax on a Qwen3-8B-shaped random target (bench_e2e.py --shape qwen3-8b --step-timing)
 #   quality  lm-eval quality regression, no-spec vs DDTree servers, bf16 (benchmarks/quality_regression.py)
 #   load   the load and fault test of the server (benchmarks/load_test.py)
+#   mrv2   DDTree on Model Runner V2 (VLLM_DDTREE_MRV2=1): float32 greedy equality against no-spec on MRV2 with
+#          TRITON_ATTN, then bf16 tokens/s against the chain as users run it (MRV2), with the step breakdown at batch 1
 #   tp     the TP=2 engine test on two GPUs
 #   tpprobe  TP=2 engine start-up, no-spec and ddtree, eager and with graphs (finds what the tp phase trips on)
 #   tpbench  tokens/s at TP=2: no-spec, chain, DDTree on a Qwen3-8B-shaped random target (bench_e2e.py -tp 2)
@@ -154,6 +156,28 @@ phase_e2e() {
   tail -40 "$RESULTS/e2e.log"
 }
 
+phase_mrv2() {
+  local target drafter
+  read -r target drafter < <(smollm2_pair)
+  local common=(--model "$target" --drafter "$drafter" --prompt-set heldout --mrv2 --tree-capture-size 1024)
+  VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${MRV2_EQUALITY_TIMEOUT:-240}" \
+    python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
+    --max-tokens 96 --dtype float32 --same-backend-baselines \
+    --configs "${MRV2_EQUALITY_CONFIGS:-no-spec MRV2+tri,ddtree B=16 MRV2,ddtree B=64 MRV2}" \
+    --out "$RESULTS/mrv2_equality_fp32.json" > "$RESULTS/mrv2_equality.log" 2>&1
+  tail -12 "$RESULTS/mrv2_equality.log"
+  [[ -n ${MRV2_EQUALITY_ONLY:-} ]] && return
+  timeout "${MRV2_E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 24 \
+    --budgets ${MRV2_BUDGETS:-16 32 64} --batch-sizes ${MRV2_BATCHES:-1 8} --max-tokens 128 \
+    --configs "${MRV2_E2E_CONFIGS:-no-spec,dflash,ddtree B=16 MRV2,ddtree B=32 MRV2,ddtree B=64 MRV2}" \
+    --out "$RESULTS/mrv2_e2e.json" > "$RESULTS/mrv2_e2e.log" 2>&1
+  tail -24 "$RESULTS/mrv2_e2e.log"
+  timeout "${MRV2_TIMING_TIMEOUT:-120}" python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 8 \
+    --budgets 64 --batch-sizes 1 --max-tokens 128 --step-timing --configs "ddtree B=64 MRV2" \
+    --out "$RESULTS/mrv2_step_timing.json" > "$RESULTS/mrv2_step_timing.log" 2>&1
+  tail -16 "$RESULTS/mrv2_step_timing.log"
+}
+
 phase_quality() {
   # lm-eval quality regression as users would run it on GPU: bf16, the no-spec server on vLLM's defaults; every
   # per-sample difference is listed in the report.
@@ -184,10 +208,13 @@ phase_tpprobe() {
   local target drafter mode
   read -r target drafter < <(python3 -c 'from vllm_ddtree import offline_models as om
 t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))')
-  for mode in eager graphs; do
-    timeout "${TPPROBE_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" -tp 2 \
+  df -h /dev/shm; free -g; nvidia-smi topo -m
+  python3 -c 'import torch; print("peer access 0->1:", torch.cuda.can_device_access_peer(0, 1))'
+  for mode in ${TPPROBE_MODES:-eager-no-custom-ar eager graphs}; do
+    BENCH_DISABLE_CUSTOM_ALL_REDUCE=$([[ $mode == *no-custom-ar ]] && echo 1 || echo 0) \
+      timeout "${TPPROBE_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" -tp 2 \
       --budgets 16 --batch-sizes 1 --max-tokens 16 --num-prompts 2 --configs "no-spec,ddtree B=16" \
-      $([[ $mode == eager ]] && echo --eager) --out "$RESULTS/tpprobe_$mode.json" > "$RESULTS/tpprobe_$mode.log" 2>&1
+      $([[ $mode == eager* ]] && echo --eager) --out "$RESULTS/tpprobe_$mode.json" > "$RESULTS/tpprobe_$mode.log" 2>&1
     echo "tpprobe $mode exit $?"; tail -8 "$RESULTS/tpprobe_$mode.log"
   done
 }

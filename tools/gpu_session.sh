@@ -23,6 +23,8 @@
 #   load   the load and fault test of the server (benchmarks/load_test.py)
 #   mrv2   DDTree on Model Runner V2 (VLLM_DDTREE_MRV2=1): float32 greedy equality against no-spec on MRV2 with
 #          TRITON_ATTN, then bf16 tokens/s against the chain as users run it (MRV2), with the step breakdown at batch 1
+#   mrv2probe  MRV2 bring-up: the smallest ddtree engine on Model Runner V2, eager then with CUDA graphs, every
+#          engine process dumping its stacks every 20 s (VLLM_DDTREE_HANG_DUMP_S) so a hang shows where
 #   tp     the TP=2 engine test on two GPUs
 #   tpprobe  TP=2 engine start-up, no-spec and ddtree, eager and with graphs (finds what the tp phase trips on)
 #   tpbench  tokens/s at TP=2: no-spec, chain, DDTree on a Qwen3-8B-shaped random target (bench_e2e.py -tp 2)
@@ -176,6 +178,18 @@ phase_mrv2() {
     --budgets 64 --batch-sizes 1 --max-tokens 128 --step-timing --configs "ddtree B=64 MRV2" \
     --out "$RESULTS/mrv2_step_timing.json" > "$RESULTS/mrv2_step_timing.log" 2>&1
   tail -16 "$RESULTS/mrv2_step_timing.log"
+}
+
+phase_mrv2probe() {
+  local target drafter mode
+  read -r target drafter < <(smollm2_pair)
+  for mode in ${MRV2PROBE_MODES:-eager graphs}; do
+    VLLM_DDTREE_CHECK_TREES=1 VLLM_DDTREE_HANG_DUMP_S=20 timeout "${MRV2PROBE_TIMEOUT:-100}" \
+      python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" --mrv2 --budgets 16 \
+      --batch-sizes 1 2 --max-tokens 24 --num-prompts 2 --configs "ddtree B=16 MRV2" --gpu-memory-utilization 0.3 \
+      $([[ $mode == eager ]] && echo --eager) --out "$RESULTS/mrv2probe_$mode.json" > "$RESULTS/mrv2probe_$mode.log" 2>&1
+    echo "mrv2probe $mode exit $?"; tail -8 "$RESULTS/mrv2probe_$mode.log"
+  done
 }
 
 phase_quality() {

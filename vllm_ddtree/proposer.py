@@ -22,6 +22,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.attention import backend as tree_backends
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket, warn_if_trees_outgrow_graphs
+from vllm_ddtree.hang_dump import arm_from_env as arm_hang_dump
 from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
@@ -31,6 +32,7 @@ from vllm_ddtree.verify_layout import chain_order
 
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        arm_hang_dump()  # VLLM_DDTREE_HANG_DUMP_S: bring-up aid, off by default
         super().__init__(vllm_config, device, runner)
         spec = vllm_config.speculative_config
         self.runner = runner

@@ -25,6 +25,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.attention import backend as tree_backends
 from vllm_ddtree.cuda_graphs import warn_if_trees_outgrow_graphs
+from vllm_ddtree.hang_dump import arm_from_env as arm_hang_dump
 from vllm_ddtree.mrv2.verifier import MRV2TreeSampler, MRV2TreeVerifier
 from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.build import build_tree
@@ -38,6 +39,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        arm_hang_dump()  # VLLM_DDTREE_HANG_DUMP_S: bring-up aid, off by default
         spec = vllm_config.speculative_config
         if spec.use_local_argmax_reduction:
             raise ValueError("ddtree builds its trees from the full draft logits; drop use_local_argmax_reduction")

@@ -242,18 +242,19 @@ def main() -> None:
         if args.step_timing and spec and spec["method"] == "ddtree":
             timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
             env = {**env, step_timing.TIMING_ENV: timing_dir}
-        # The worker's log streams to a file, so a worker killed by a time limit still leaves it; it is kept next to
-        # the results when the worker fails.
+        # The worker's whole output (vLLM logs to stdout, tracebacks go to stderr) streams to a file, so a worker
+        # killed by a time limit still leaves it; it is kept next to the results when the worker fails.
         log_path = Path(args.out).with_suffix(f".{_slug(name)}.log") if args.out else Path(tempfile.mkstemp(".log")[1])
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **env})
-        stderr = log_path.read_text()
-        line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
+        output = log_path.read_text()
+        # (another process's partial line may precede the marker on its line)
+        line = [x[x.index("BENCH_RESULT "):] for x in output.splitlines() if "BENCH_RESULT " in x]
         if not (args.out and proc.returncode):
             log_path.unlink()
         if not line:
-            print(f"{name}: FAILED\n{stderr[-4000:]}", file=sys.stderr)
+            print(f"{name}: FAILED\n{output[-4000:]}", file=sys.stderr)
             results[name] = None
             continue
         results[name] = json.loads(line[-1][len("BENCH_RESULT "):])

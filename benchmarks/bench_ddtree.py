@@ -206,6 +206,31 @@ def rows_from_e2e(workload: str, results: list[dict], capture_size: int | None =
     return sorted(rows, key=_sort_key)
 
 
+def budget_schedule(rows: list[dict], workload: str) -> list[list[int]] | None:
+    """The adaptive budget these measurements call for: per measured batch size the fixed budget with the most
+    tokens/s, as vLLM's ``num_speculative_tokens_per_batch_size`` ([[first batch, last batch, budget], ...]; each
+    measured batch size covers the sizes down to the previous one, and vLLM carries the last budget beyond it).
+    Adjacent ranges with the same budget merge. None without fixed-budget DDTree rows."""
+    best: dict[int, tuple[float, int]] = {}
+    for row in rows:
+        budget = budget_of(row["config"])
+        # fixed budgets on the default scheduling only: "ddtree B=64 async"/"... kernel-eager"/"... MRV2" differ
+        if row["workload"] != workload or budget is None or row["config"] != f"ddtree B={budget}":
+            continue
+        if row["tokens_per_s"] and (row["batch"] not in best or row["tokens_per_s"] > best[row["batch"]][0]):
+            best[row["batch"]] = (row["tokens_per_s"], budget)
+    schedule: list[list[int]] = []
+    first = 1
+    for batch in sorted(best):
+        budget = best[batch][1]
+        if schedule and schedule[-1][2] == budget:
+            schedule[-1][1] = batch
+        else:
+            schedule.append([first, batch, budget])
+        first = batch + 1
+    return schedule or None
+
+
 def _fmt(value, spec: str = "") -> str:
     if value is None:
         return "-"
@@ -429,6 +454,14 @@ def _write_json(rows: list[dict], meta: dict, path: str) -> None:
 def _finish(rows: list[dict], meta: dict, out: str, png: str) -> int:
     print()
     print(format_table(rows))
+    meta["budget_schedule"] = {}
+    for workload in sorted({row["workload"] for row in rows}):
+        schedule = budget_schedule(rows, workload)
+        if schedule:
+            meta["budget_schedule"][workload] = schedule
+            print(f"\nadaptive budget for {workload} (best fixed budget per batch size): "
+                  f'"num_speculative_tokens": {max(e[2] for e in schedule)}, '
+                  f'"num_speculative_tokens_per_batch_size": {json.dumps(schedule)}')
     _write_json(rows, meta, out)
     print(f"\nGPU idle per step: {GPU_IDLE_NOTE}")
     print(f"[bench_ddtree] JSON: {out}")

@@ -160,6 +160,9 @@ def main() -> None:
                         "capturing it is worth")
     parser.add_argument("--async-ab", action="store_true", help="also run every budget with async scheduling "
                         "(--async-scheduling; vLLM turns it on for the chain on GPU and off for ddtree by default)")
+    parser.add_argument("--budget-schedule", type=json.loads, default=None, help="also run 'ddtree adaptive': the "
+                        "adaptive budget, as vLLM's num_speculative_tokens_per_batch_size, e.g. "
+                        "'[[1, 4, 64], [5, 16, 32], [17, 256, 16]]' (bench_ddtree.py prints one from its measurements)")
     parser.add_argument("--mrv2", action="store_true", help="also run every budget on Model Runner V2 "
                         "(VLLM_DDTREE_MRV2=1, experimental) as 'ddtree B=<b> MRV2'; with --same-backend-baselines "
                         "also no-spec and the chain on MRV2 with TRITON_ATTN ('... MRV2+tri')")
@@ -213,6 +216,11 @@ def main() -> None:
     trees = [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
               tree_env) for b in args.budgets]
     configs += trees
+    if args.budget_schedule:
+        largest = max(entry[2] for entry in args.budget_schedule)
+        configs.append(("ddtree adaptive", {"method": "ddtree", "model": drafter, "num_speculative_tokens": largest,
+                                            "num_speculative_tokens_per_batch_size": args.budget_schedule,
+                                            **drafter_load}, tree_env))
     if args.tree_kernel_ab:
         name, spec, _ = trees[0]
         configs.append((f"{name} kernel-eager", spec, {**tree_env, "VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS": "0"}))

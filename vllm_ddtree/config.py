@@ -4,6 +4,9 @@ Users write ``{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tok
 
 - ``num_speculative_tokens``: the node budget B, i.e. the speculative tokens the target verifies per step (the tree's
   non-root nodes). Defaults to ``DEFAULT_TREE_BUDGET``.
+- ``num_speculative_tokens_per_batch_size`` (vLLM's dynamic speculative decoding schedule): the adaptive budget.
+  vLLM's scheduler picks each step's draft count from the batch size; the proposer returns that prefix of its
+  B-node tree, which in best-first order is the tree of that budget.
 - ``tree_depth``: the deepest node, i.e. how many DFlash draft positions feed the tree. Defaults to
   ``min(block_size - 1, B)`` (all positions one DFlash pass produces, but no deeper than B: a tree of B nodes is at
   most B deep); at most that.
@@ -43,8 +46,6 @@ _UNSUPPORTED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("draft_sample_method", "greedy",
      "DDTree builds the tree from the drafter's top-k; drop draft_sample_method"),
     ("disable_padded_drafter_batch", False, "drop disable_padded_drafter_batch"),
-    ("num_speculative_tokens_per_batch_size", None,
-     "dynamic speculation lengths are not supported with ddtree; drop num_speculative_tokens_per_batch_size"),
     ("use_heterogeneous_vocab", False, "DDTree needs the drafter to share the target's vocabulary"),
 )
 
@@ -73,12 +74,38 @@ def prepare_ddtree_method(spec: Any) -> None:
     depth = spec.tree_depth
     if depth is not None and not 1 <= depth <= MAX_TREE_DEPTH:
         raise DDTreeConfigError(f"ddtree tree_depth must be in [1, {MAX_TREE_DEPTH}], got {depth}")
+    _check_budget_schedule(spec.num_speculative_tokens_per_batch_size, budget)
     _refuse_non_dflash_drafter(spec.model, spec.revision)
     for name, required, fix in _UNSUPPORTED_SETTINGS:
         if getattr(spec, name) != required:
             raise DDTreeConfigError(f"ddtree does not support {name}={getattr(spec, name)!r}: {fix}")
     spec.method = "dflash"
     spec.tree_budget = budget
+
+
+def _check_budget_schedule(schedule: Any, budget: int) -> None:
+    """The adaptive budget is vLLM's dynamic speculative decoding schedule (``num_speculative_tokens_per_batch_size``:
+    ``[[first batch size, last batch size, budget], ...]``): vLLM's scheduler picks each step's draft count from the
+    batch size and ddtree verifies the first that many nodes of its tree, which are, in best-first order, the tree
+    of that budget. Checked here so a bad schedule fails at start-up with the fix, not when the scheduler is built."""
+    if schedule is None:
+        return
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    try:
+        entries = validate_and_normalize_dynamic_sd_schedule(schedule)
+    except (TypeError, ValueError) as e:
+        raise DDTreeConfigError(
+            f"ddtree num_speculative_tokens_per_batch_size: {e} Give [[first batch size, last batch size, budget], "
+            "...], ranges from batch size 1 upwards, e.g. [[1, 4, 64], [5, 16, 32], [17, 256, 16]]"
+        ) from None
+    for first, last, size in entries:
+        if not 1 <= size <= budget:
+            raise DDTreeConfigError(
+                f"ddtree num_speculative_tokens_per_batch_size entry ({first}, {last}, {size}): each budget must be in "
+                f"[1, num_speculative_tokens = {budget}] (the largest tree; set num_speculative_tokens to the "
+                "schedule's largest budget)"
+            )
 
 
 def _refuse_non_dflash_drafter(model: str, revision: str | None) -> None:
@@ -165,6 +192,8 @@ def mrv2_gaps(vllm_config: Any) -> list[str]:
         gaps.append("ddtree with data parallelism (untested on Model Runner V2)")
     if parallel.pipeline_parallel_size > 1:
         gaps.append("ddtree with pipeline parallelism")
+    if getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None):
+        gaps.append("ddtree with num_speculative_tokens_per_batch_size (adaptive budget: V1 runner only)")
     if getattr(vllm_config.speculative_config, "use_local_argmax_reduction", False):
         gaps.append("ddtree with use_local_argmax_reduction (the tree build needs the full draft logits)")
     from vllm.platforms import current_platform

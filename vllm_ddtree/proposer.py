@@ -119,7 +119,9 @@ class DDTreeProposer(DFlashProposer):
             slot_mappings,
         )
         self._draft_rows = {rid: i for i, rid in enumerate(self.runner.input_batch.req_ids[:num_reqs])}
-        return self.draft_trees.token_ids[:num_reqs, 1:]
+        # num_speculative_tokens is this step's budget: B, or what vLLM's dynamic speculative decoding schedule picks
+        # for the batch size (the adaptive budget). Best-first order makes the first b nodes the tree of budget b.
+        return self.draft_trees.token_ids[:num_reqs, 1 : 1 + min(num_speculative_tokens, self.tree_budget)]
 
     def _chain_order(self, step, num_tokens: int) -> torch.Tensor:
         """Row permutation putting each request's accepted path right after its root (rows root+k <- root+acc[k])."""

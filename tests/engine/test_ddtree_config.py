@@ -58,11 +58,30 @@ def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
         ({"num_speculative_tokens": 8.5}, "valid integer"),
         ({"tree_depth": 2.5}, "valid integer"),
         ({"tree_depth": 33}, r"tree_depth must be in \[1, 32\]"),
+        ({"num_speculative_tokens": 8, "num_speculative_tokens_per_batch_size": [[1, 4, 16]]},
+         r"each budget must be in \[1, num_speculative_tokens = 8\]"),
+        ({"num_speculative_tokens_per_batch_size": [[1, 4, 0]]}, "each budget must be in"),
+        ({"num_speculative_tokens_per_batch_size": [[2, 4, 8]]}, "must start at 1"),
+        ({"num_speculative_tokens_per_batch_size": [[1, 4, 8], [3, 8, 4]]}, "non-overlapping"),
     ],
 )
 def test_refused_settings_name_the_fix(tiny_llama_dir, tiny_llama_dflash_dir, spec, message):
     with pytest.raises(Exception, match=message):
         engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), **spec)
+
+
+def test_budget_schedule_is_vllms_dynamic_speculation_schedule(tiny_llama_dir, tiny_llama_dflash_dir):
+    """The adaptive budget: vLLM's scheduler reads the schedule as for any dynamic speculative decoding."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    schedule = [[1, 2, 16], [3, 8, 4]]
+    spec = engine_config(
+        tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=16,
+        num_speculative_tokens_per_batch_size=schedule,
+    ).speculative_config
+    assert (spec.tree_budget, spec.num_speculative_tokens) == (16, 16)
+    lookup = build_dynamic_sd_schedule_lookup(spec.num_speculative_tokens_per_batch_size, 8, 16)
+    assert lookup[1:] == [16, 16, 4, 4, 4, 4, 4, 4]
 
 
 def test_refuses_a_drafter_that_is_not_dflash(tiny_llama_dir, tiny_qwen3_dir):

@@ -45,6 +45,26 @@ def test_greedy_ddtree_equals_no_spec_batched(tiny_llama_dir, tiny_llama_dflash_
     assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2
 
 
+def test_adaptive_budget_follows_the_batch_size_schedule(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
+    """The adaptive budget (vLLM's dynamic speculation schedule): every verify step of this batch of 4 verifies the
+    first 3 nodes of a 16-node tree, and stays lossless."""
+    assert len(prompt_ids) >= 2  # the batch falls in the schedule's second range
+    spec = {**ddtree_spec(tiny_llama_dflash_dir, 16), "num_speculative_tokens_per_batch_size": [[1, 1, 16], [2, 8, 3]]}
+    result = run_engine(
+        model=str(tiny_llama_dir),
+        prompt_token_ids=prompt_ids,
+        max_tokens=48,
+        ignore_eos=True,
+        spec=spec,
+        oracle={"prompt_token_ids": prompt_ids, "continuations": reference, "seed": 3},
+    )
+    assert result["token_ids"] == reference
+    stats = result["spec_decode"]
+    assert stats["vllm:spec_decode_num_drafts"] > 0
+    assert stats["vllm:spec_decode_num_draft_tokens"] == 3 * stats["vllm:spec_decode_num_drafts"]
+    assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2
+
+
 def test_greedy_ddtree_stays_lossless_when_vllm_skips_drafting(
     tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference
 ):

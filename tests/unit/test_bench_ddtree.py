@@ -174,3 +174,21 @@ def test_split_runs_combine_per_workload(tmp_path):
     assert rows[("ddtree B=16", 4)]["breakdown"]["verify"]["device_ms"] == 9.0
     assert rows[("ddtree B=16", 4)]["breakdown_batches"] == [4]
     assert rows[("ddtree B=16", 4)]["vs_no_spec"] is None  # no no-spec row: no ratio
+
+
+def test_budget_schedule_picks_the_fastest_fixed_budget_per_batch():
+    """The adaptive-budget recommendation: fastest fixed budget per batch size, ranges down to the previous size,
+    equal neighbours merged; async/MRV2 variants and other workloads do not count."""
+    def row(config, batch, tps, workload="smollm2"):
+        return {"workload": workload, "config": config, "batch": batch, "tokens_per_s": tps}
+
+    rows = [
+        row("ddtree B=64", 1, 500.0), row("ddtree B=16", 1, 400.0), row("ddtree B=64 async", 1, 900.0),
+        row("ddtree B=64", 4, 1500.0), row("ddtree B=16", 4, 1400.0),
+        row("ddtree B=64", 16, 3000.0), row("ddtree B=16", 16, 3500.0), row("dflash", 16, 9000.0),
+        row("ddtree B=64", 64, 5000.0), row("ddtree B=16", 64, 6000.0),
+        row("ddtree B=16", 1, 9999.0, workload="qwen3-8b"),
+    ]
+    assert bd.budget_schedule(rows, "smollm2") == [[1, 4, 64], [5, 64, 16]]
+    assert bd.budget_schedule(rows, "qwen3-8b") == [[1, 1, 16]]
+    assert bd.budget_schedule([row("dflash", 1, 1.0)], "smollm2") is None

@@ -111,6 +111,41 @@ def test_budget_below_buffer_and_tiny_trees_pad() -> None:
     check_against_heap(torch.randn(2, 16, 1, generator=gen), budget=32)  # a single chain of 16
 
 
+def path_scores(tree: TreeBatch, logits: torch.Tensor, rows: int, n: int) -> list[list[float]]:
+    """Each node's path log-probability (root 0), for the first n nodes of each row."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    scores = []
+    for r in range(rows):
+        s = [0.0]
+        for i in range(1, n):
+            s.append(s[int(tree.parents[r, i])] + float(logp[r, int(tree.depths[r, i]) - 1, int(tree.token_ids[r, i])]))
+        scores.append(s)
+    return scores
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+def test_first_b_nodes_are_the_tree_of_budget_b(quantised: bool) -> None:
+    """The adaptive budget verifies the first b nodes of the budget-B tree (vLLM's dynamic speculation schedule
+    truncates the drafts). In best-first order they are the tree that budget b builds; where path scores tie
+    exactly, which of the tied nodes comes first may differ, but the scores (the expected acceptance) may not."""
+    gen = torch.Generator().manual_seed(21 + quantised)
+    logits = torch.randn(3, 15, 300, generator=gen) * 2.5
+    if quantised:
+        logits = logits.round()  # many exact ties
+    roots = torch.zeros(3, dtype=torch.int64)
+    full = poisoned_batch(3, 64, 1)
+    build_tree(logits, 64, full, roots)
+    for b in (1, 4, 15, 16, 33, 63):
+        small = poisoned_batch(3, b, 2)
+        build_tree(logits, b, small, roots)
+        if not quantised:
+            assert torch.equal(full.token_ids[:, : b + 1], small.token_ids)
+            assert torch.equal(full.parents[:, : b + 1], small.parents)
+            assert torch.equal(full.depths[:, : b + 1], small.depths)
+        for got, want in zip(path_scores(full, logits, 3, b + 1), path_scores(small, logits, 3, b + 1)):
+            assert got == pytest.approx(want, abs=1e-4)  # pop order: scores descend, so position by position
+
+
 def test_low_precision_logits_and_determinism() -> None:
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(4, 15, 500, generator=gen) * 3).to(torch.bfloat16)

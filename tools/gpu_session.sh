@@ -97,7 +97,7 @@ run_equality_tests() {
   # DDTree's, not rounding's.
   VLLM_USE_V2_MODEL_RUNNER=0 VLLM_DDTREE_TEST_ATTENTION_BACKEND=TRITON_ATTN TRITON_F32_DEFAULT=ieee \
   VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -x -q -p no:cacheprovider \
-    tests/engine/test_ddtree_engine.py -k "${TESTS_K:-batched or preemption or aborted}"
+    tests/engine/test_ddtree_engine.py -k "${TESTS_K:-batched or preemption or aborted or host_sync}"
 }
 
 phase_tests() {

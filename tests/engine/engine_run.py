@@ -38,12 +38,14 @@ PROMPTS = [
 ]
 
 
-def run_engine(**args) -> dict:
-    """Run this script in a fresh process with ``args`` and return its JSON result.
+def run_engine(env: dict[str, str] | None = None, **args) -> dict:
+    """Run this script in a fresh process with ``args`` (and ``env`` over the checks' defaults) and return its JSON
+    result.
 
     ``oracle`` travels through oracle_site/sitecustomize.py, so every process of the engine (TP workers too)
-    drafts from it."""
-    env = {**os.environ, "VLLM_DDTREE_CHECK_RANKS": "1", "VLLM_DDTREE_CHECK_TREES": "1"}
+    drafts from it. ``audit_syncs`` records host synchronisations under vllm_ddtree code (sync_audit.py) into the
+    result's ``sync_audit``."""
+    env = {**os.environ, "VLLM_DDTREE_CHECK_RANKS": "1", "VLLM_DDTREE_CHECK_TREES": "1", **(env or {})}
     env.pop("TRITON_INTERPRET", None)
     oracle = args.pop("oracle", None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,6 +140,12 @@ def main() -> None:
     if tensor_parallel > 1:  # one worker process per rank, one core each
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel))
+    audit_file = None
+    if args.get("audit_syncs"):
+        import sync_audit
+
+        audit_file = tempfile.mkstemp(suffix=".json")[1]
+        sync_audit.install(audit_file)
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -189,6 +197,8 @@ def main() -> None:
         if "spec_decode" in m.name
     }
     out["spec_decode"] = metrics
+    if audit_file:
+        out["sync_audit"] = json.loads(Path(audit_file).read_text() or "[]")
     out["preemptions"] = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     print("ENGINE_RESULT " + json.dumps(out), flush=True)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from engine_run import run_engine
 
 
@@ -63,6 +64,34 @@ def test_adaptive_budget_follows_the_batch_size_schedule(tiny_llama_dir, tiny_ll
     assert stats["vllm:spec_decode_num_drafts"] > 0
     assert stats["vllm:spec_decode_num_draft_tokens"] == 3 * stats["vllm:spec_decode_num_drafts"]
     assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2
+
+
+# The one host synchronisation DDTree's code may make in a step on the CPU engine: its PyTorch KV compaction
+# (``nonzero``). GPU engines compact with the Triton kernel instead (kv_layout.TargetKVCompaction picks it when every
+# target layer is on TreeTritonAttentionImpl).
+CPU_ONLY_SYNCS = {("nonzero", "vllm_ddtree/kv_compact.py", "kv_compact_torch")}
+
+
+def test_decode_steps_make_no_host_sync_in_ddtree_code(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
+    """Every torch call of every engine step is watched (sync_audit.py); none under vllm_ddtree code may make a GPU
+    host wait: tree build, verify preparation, walk, compaction, linearisation, the next draft's inputs."""
+    result = run_engine(
+        env={"VLLM_DDTREE_CHECK_TREES": "0", "VLLM_DDTREE_CHECK_RANKS": "0"},  # both sync on purpose (checks)
+        model=str(tiny_llama_dir),
+        prompt_token_ids=prompt_ids,
+        max_tokens=24,
+        ignore_eos=True,
+        spec=ddtree_spec(tiny_llama_dflash_dir, 16),
+        oracle={"prompt_token_ids": prompt_ids, "continuations": reference, "seed": 11},
+        audit_syncs=True,
+    )
+    assert [t[:24] for t in reference] == result["token_ids"]
+    assert result["spec_decode"]["vllm:spec_decode_num_accepted_tokens"] > 0  # accepted paths were compacted
+    syncs = [r for r in result["sync_audit"]
+             if (r["call"], r["in"].split(":")[0], r["in"].split()[-1]) not in CPU_ONLY_SYNCS]
+    assert syncs == []
+    if not torch.cuda.is_available():  # (GPU sessions run this too; there the Triton compaction has no sync)
+        assert result["sync_audit"], "the CPU compaction's nonzero was not seen: is the audit watching the steps?"
 
 
 def test_greedy_ddtree_stays_lossless_when_vllm_skips_drafting(

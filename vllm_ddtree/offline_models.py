@@ -94,7 +94,13 @@ TINY_DEFAULTS: dict[str, Any] = dict(
     qk_std=0.2,
     tie_word_embeddings=False,
 )
-TINY_ARCHS = ("llama", "qwen3")
+TINY_ARCHS = ("llama", "qwen3", "qwen3_next")
+# qwen3_next: a hybrid like Qwen3.5/3.6 (every 4th layer full attention, the rest GatedDeltaNet), with a small MoE
+# (Qwen3-Next is MoE). vLLM's CPU engine runs it in bfloat16 with mamba_ssm_cache_dtype="float32" (its CPU GDN prefill
+# kernel refuses a bfloat16 recurrent state).
+TINY_HYBRID = dict(full_attention_interval=4, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
+                   linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -481,7 +487,7 @@ def smollm2_dir(cache: str | os.PathLike | None = None, force: bool = False, smo
 # Recipe 2: random-weight tiny targets (Llama / Qwen3) with SmolLM2's tokenizer
 # --------------------------------------------------------------------------------------------------------------
 def _tiny_config(arch: str, p: dict, tok_cfg: dict):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
 
     common = dict(
         vocab_size=p["vocab_size"],
@@ -507,6 +513,9 @@ def _tiny_config(arch: str, p: dict, tok_cfg: dict):
     elif arch == "qwen3":
         cfg = Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
         cfg.architectures = ["Qwen3ForCausalLM"]
+    elif arch == "qwen3_next":
+        cfg = Qwen3NextConfig(**common, **TINY_HYBRID)
+        cfg.architectures = ["Qwen3NextForCausalLM"]
     else:
         raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
     cfg.dtype = "bfloat16"
@@ -540,7 +549,8 @@ def _tiny_dirname(arch: str, params: dict) -> str:
 
 def tiny_target_dir(arch: str = "llama", *, seed: int = 0, cache: str | os.PathLike | None = None,
                     tokenizer_dir: str | os.PathLike | None = None, force: bool = False, **overrides: Any) -> Path:
-    """A random-weight tiny target (``arch`` = "llama" or "qwen3"), deterministic from ``seed``.
+    """A random-weight tiny target (``arch`` = "llama", "qwen3" or the hybrid "qwen3_next"), deterministic from
+    ``seed``.
 
     Defaults (``TINY_DEFAULTS``): 8 layers, hidden 256, 4 q / 2 kv heads, head_dim 64, intermediate 512,
     untied lm_head, N(0, std) init (see ``TINY_DEFAULTS``), bf16 safetensors; tokenizer and vocab (49152) from

@@ -34,6 +34,17 @@ def tiny_qwen3_dir(smollm2_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_dir(smollm2_dir) -> Path:
+    """Random tiny Qwen3-Next target: GatedDeltaNet layers with every 4th full attention, a 4-expert MoE."""
+    return offline_models.tiny_target_dir("qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dflash_dir(tiny_hybrid_dir) -> Path:
+    return offline_models.random_dflash_dir(tiny_hybrid_dir, block_size=8)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dflash_dir(tiny_llama_dir) -> Path:
     """Random 1-layer DFlash drafter (block 8, target_layer_ids [1,2,3,4,5]) for tiny_llama_dir."""
     return offline_models.random_dflash_dir(tiny_llama_dir, block_size=8)

@@ -166,6 +166,7 @@ def main() -> None:
         disable_log_stats=False,
         num_gpu_blocks_override=args.get("num_gpu_blocks"),
         block_size=args.get("block_size"),
+        mamba_ssm_cache_dtype=args.get("mamba_ssm_cache_dtype", "auto"),
     )
     params = [
         SamplingParams(

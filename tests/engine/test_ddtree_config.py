@@ -84,6 +84,11 @@ def test_budget_schedule_is_vllms_dynamic_speculation_schedule(tiny_llama_dir, t
     assert lookup[1:] == [16, 16, 4, 4, 4, 4, 4, 4]
 
 
+def test_refuses_a_hybrid_target_at_start_up(tiny_hybrid_dir, tiny_hybrid_dflash_dir):
+    with pytest.raises(Exception, match='hybrid targets .* use "method": "dflash"'):
+        engine_config(tiny_hybrid_dir, method="ddtree", model=str(tiny_hybrid_dflash_dir), num_speculative_tokens=8)
+
+
 def test_refuses_a_drafter_that_is_not_dflash(tiny_llama_dir, tiny_qwen3_dir):
     with pytest.raises(Exception, match="needs a DFlash drafter"):
         engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_qwen3_dir), num_speculative_tokens=4)

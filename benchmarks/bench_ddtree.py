@@ -206,6 +206,15 @@ def rows_from_e2e(workload: str, results: list[dict], capture_size: int | None =
     return sorted(rows, key=_sort_key)
 
 
+# The paper's τ for Qwen3-8B on MATH-500 (arXiv:2604.12989): the DFlash chain and DDTree.
+PAPER_TAU_CHAIN, PAPER_TAU_TREE = 7.79, 10.73
+
+
+def projected_speedup(tax: float | None) -> float | None:
+    """DDTree over the chain for a real Qwen3-8B pair: the paper's τ ratio over this step-cost ratio (1 + tax)."""
+    return None if tax is None else round(PAPER_TAU_TREE / PAPER_TAU_CHAIN / (1 + tax), 3)
+
+
 def budget_schedule(rows: list[dict], workload: str) -> list[list[int]] | None:
     """The adaptive budget these measurements call for: per measured batch size the fixed budget with the most
     tokens/s, as vLLM's ``num_speculative_tokens_per_batch_size`` ([[first batch, last batch, budget], ...]; each
@@ -454,6 +463,15 @@ def _write_json(rows: list[dict], meta: dict, path: str) -> None:
 def _finish(rows: list[dict], meta: dict, out: str, png: str) -> int:
     print()
     print(format_table(rows))
+    shaped = [r for r in rows if r["workload"] != "smollm2" and budget_of(r["config"]) is not None]
+    if shaped:
+        print(f"\nprojected speed-up over the chain with the paper's τ ({PAPER_TAU_TREE} vs {PAPER_TAU_CHAIN}) and "
+              "these step costs:")
+    for r in shaped:
+        r["projected_vs_chain_paper_tau"] = projected_speedup(r.get("tax_vs_chain"))
+        r["projected_vs_chain_v1_paper_tau"] = projected_speedup(r.get("tax_vs_chain_v1"))
+        print(f"  {r['workload']} {r['config']} batch {r['batch']}: x{_fmt(r['projected_vs_chain_paper_tau'], '.2f')}"
+              f" vs the chain, x{_fmt(r['projected_vs_chain_v1_paper_tau'], '.2f')} vs the chain on V1")
     meta["budget_schedule"] = {}
     for workload in sorted({row["workload"] for row in rows}):
         schedule = budget_schedule(rows, workload)

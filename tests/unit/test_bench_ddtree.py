@@ -192,3 +192,9 @@ def test_budget_schedule_picks_the_fastest_fixed_budget_per_batch():
     assert bd.budget_schedule(rows, "smollm2") == [[1, 4, 64], [5, 64, 16]]
     assert bd.budget_schedule(rows, "qwen3-8b") == [[1, 1, 16]]
     assert bd.budget_schedule([row("dflash", 1, 1.0)], "smollm2") is None
+
+
+def test_projected_speedup_uses_the_papers_tau_over_the_step_cost():
+    assert bd.projected_speedup(0.0) == pytest.approx(10.73 / 7.79, abs=1e-3)
+    assert bd.projected_speedup(0.61) == pytest.approx(10.73 / 7.79 / 1.61, abs=1e-3)  # the 2026-11-29 tax: 0.86x
+    assert bd.projected_speedup(None) is None

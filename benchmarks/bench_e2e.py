@@ -252,8 +252,13 @@ def main() -> None:
             env = {**env, step_timing.TIMING_ENV: timing_dir}
         # The worker's whole output (vLLM logs to stdout, tracebacks go to stderr) streams to a file, so a worker
         # killed by a time limit still leaves it; it is kept next to the results when the worker fails.
-        log_path = Path(args.out).with_suffix(f".{_slug(name)}.log") if args.out else Path(tempfile.mkstemp(".log")[1])
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        if args.out:
+            log_path = Path(args.out).with_suffix(f".{_slug(name)}.log")
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            fd, temp_name = tempfile.mkstemp(".log")
+            os.close(fd)
+            log_path = Path(temp_name)
         with log_path.open("w") as log:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
         output = log_path.read_text()

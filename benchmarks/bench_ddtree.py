@@ -54,26 +54,32 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_E2E = ROOT / "benchmarks" / "bench_e2e.py"
 
-# (phase, step_timing interval, what runs there). The timer's cycle (step_timing.ORDER) starts at "prepare";
-# listed here in the order a DDTree step runs, from the drafter to the next drafter hand-off.
+class Phase(NamedTuple):
+    name: str
+    interval: str  # step_timing's interval between two marks
+    header: str  # the breakdown table's column
+    what: str
+
+
+# The timer's cycle (step_timing.ORDER) starts at "prepare"; listed here in the order a DDTree step runs, from the
+# drafter to the next drafter hand-off.
 PHASES = (
-    ("linearise", "propose -> linearised", "drafter inputs linearised from the accepted paths"),
-    ("draft", "linearised -> build", "DFlash drafter forward (one pass)"),
-    ("tree_build", "build -> built", "best-first tree build (graph replay at small batch)"),
-    ("scheduler", "built -> prepare", "vLLM between steps: output processing, scheduling, input preparation"),
-    ("verify_prep", "prepare -> prepared", "tree metadata into the static verify buffers"),
-    ("verify", "prepared -> sample", "target forward over the trees + logits"),
-    ("walk", "sample -> walked", "tree walk: accepted path and bonus token"),
-    ("compaction", "walked -> compacted", "accepted K/V moved onto the path"),
-    ("handoff", "compacted -> propose", "accepted path handed to the drafter"),
+    Phase("linearise", "propose -> linearised", "linear", "drafter inputs linearised from the accepted paths"),
+    Phase("draft", "linearised -> build", "draft", "DFlash drafter forward (one pass)"),
+    Phase("tree_build", "build -> built", "build", "best-first tree build (graph replay at small batch)"),
+    Phase("scheduler", "built -> prepare", "sched",
+          "vLLM between steps: output processing, scheduling, input preparation"),
+    Phase("verify_prep", "prepare -> prepared", "v-prep", "tree metadata into the static verify buffers"),
+    Phase("verify", "prepared -> sample", "verify", "target forward over the trees + logits"),
+    Phase("walk", "sample -> walked", "walk", "tree walk: accepted path and bonus token"),
+    Phase("compaction", "walked -> compacted", "compact", "accepted K/V moved onto the path"),
+    Phase("handoff", "compacted -> propose", "handoff", "accepted path handed to the drafter"),
 )
-PHASE_HEADERS = {"linearise": "linear", "draft": "draft", "tree_build": "build", "scheduler": "sched",
-                 "verify_prep": "v-prep", "verify": "verify", "walk": "walk", "compaction": "compact",
-                 "handoff": "handoff"}
 WORKLOADS = {"smollm2": [], "qwen3-8b": ["--shape", "qwen3-8b"]}
 BASELINES = ("no-spec", "dflash", "no-spec V1+tri", "dflash V1+tri")
 CONFIG_ORDER = ("no-spec", "dflash", "no-spec V1+tri", "dflash V1+tri", "dflash V1")
@@ -105,11 +111,11 @@ def phase_breakdown(report: dict | None) -> dict | None:
     if not report:
         return None
     out = {}
-    for phase, interval, _ in PHASES:
-        v = report.get(interval)
+    for phase in PHASES:
+        v = report.get(phase.interval)
         if v:
-            out[phase] = {"host_ms": v["host_ms_median"], "device_ms": v["device_ms_median"], "count": v["count"]}
-    unknown = sorted(set(report) - {interval for _, interval, _ in PHASES})
+            out[phase.name] = {"host_ms": v["host_ms_median"], "device_ms": v["device_ms_median"], "count": v["count"]}
+    unknown = sorted(set(report) - {phase.interval for phase in PHASES})
     if unknown:  # the timer grew a mark this mapping does not know: keep it visible rather than drop it
         out.update({k: {"host_ms": report[k]["host_ms_median"], "device_ms": report[k]["device_ms_median"],
                         "count": report[k]["count"]} for k in unknown})
@@ -265,11 +271,12 @@ def format_table(rows: list[dict]) -> str:
         lines += ["", "DDTree step breakdown, median ms per step, host/device (Σ: sum of the medians; "
                   "ms/step: from tokens/s)"]
         head = f"{'workload':9s} {'config':20s} {'batch':>5s} " + " ".join(
-            f"{PHASE_HEADERS[p]:>11s}" for p, _, _ in PHASES) + f" {'Σ':>11s} {'ms/step':>8s}  timed batches"
+            f"{phase.header:>11s}" for phase in PHASES) + f" {'Σ':>11s} {'ms/step':>8s}  timed batches"
         lines += [head, "-" * len(head)]
         for r in timed:
             b = r["breakdown"]
-            cells = [f"{b[p]['host_ms']:.2f}/{b[p]['device_ms']:.2f}" if p in b else "-" for p, _, _ in PHASES]
+            cells = [f"{b[p]['host_ms']:.2f}/{b[p]['device_ms']:.2f}" if p in b else "-"
+                     for p in (phase.name for phase in PHASES)]
             cells.append(f"{b['_sum']['host_ms']:.2f}/{b['_sum']['device_ms']:.2f}")
             lines.append(f"{r['workload']:9s} {r['config']:20s} {r['batch']:5d} "
                          + " ".join(f"{c:>11s}" for c in cells)
@@ -354,7 +361,7 @@ def write_png(rows: list[dict], path: str | Path) -> bool:
         labels = [f"{r['config'].replace('ddtree ', '')}\nb={r['batch']}" for r in trees]
         x = range(len(trees))
         bottom = [0.0] * len(trees)
-        for phase, _, _ in PHASES:
+        for phase in (p.name for p in PHASES):
             h = [(r.get("breakdown") or {}).get(phase, {}).get("host_ms", 0.0) for r in trees]
             if any(h):
                 ax_ms.bar(x, h, bottom=bottom, label=phase)
@@ -409,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
             "ms_per_step": "1000 * batch * tau / tokens_per_s (tau = 1 without speculation)",
             "tax": "ms_per_step(ddtree B) / ms_per_step(chain) - 1",
-            "phases": {p: {"interval": i, "what": w} for p, i, w in PHASES}, "gpu_idle": GPU_IDLE_NOTE}
+            "phases": {p.name: {"interval": p.interval, "what": p.what} for p in PHASES}, "gpu_idle": GPU_IDLE_NOTE}
 
     if args.from_e2e:
         by_workload: dict[str, list[dict]] = {}

@@ -32,9 +32,9 @@ def test_ms_per_step_is_batch_tau_over_throughput():
 
 def test_phases_cover_every_step_timing_interval_once():
     cycle = {f"{a} -> {b}" for a, b in zip(step_timing.ORDER, step_timing.ORDER[1:] + step_timing.ORDER[:1])}
-    intervals = [interval for _, interval, _ in bd.PHASES]
+    intervals = [phase.interval for phase in bd.PHASES]
     assert sorted(intervals) == sorted(cycle)
-    named = {phase: interval for phase, interval, _ in bd.PHASES}
+    named = {phase.name: phase.interval for phase in bd.PHASES}
     assert named["draft"] == "linearised -> build" and named["tree_build"] == "build -> built"
     assert named["scheduler"] == "built -> prepare" and named["verify"] == "prepared -> sample"
     assert named["walk"] == "sample -> walked" and named["compaction"] == "walked -> compacted"

@@ -124,6 +124,16 @@ def test_tiny_target(arch, request):
         assert len(set(o)) >= 4, o
 
 
+def test_tiny_hybrid_target(tiny_hybrid_dir, tiny_hybrid_dflash_dir):
+    cfg = json.loads((tiny_hybrid_dir / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_next"
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    _check_dflash_dir(tiny_hybrid_dflash_dir, tiny_hybrid_dir, 8)
+    outs = om.greedy_continuations(tiny_hybrid_dir, PROMPTS, max_new_tokens=16)
+    assert len({tuple(o) for o in outs}) == len(outs), outs
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Cache behaviour
 # ------------------------------------------------------------------------------------------------------------------

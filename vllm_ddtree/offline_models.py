@@ -484,7 +484,7 @@ def smollm2_dir(cache: str | os.PathLike | None = None, force: bool = False, smo
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Recipe 2: random-weight tiny targets (Llama / Qwen3) with SmolLM2's tokenizer
+# Recipe 2: random-weight tiny targets (Llama / Qwen3 / hybrid Qwen3-Next) with SmolLM2's tokenizer
 # --------------------------------------------------------------------------------------------------------------
 def _tiny_config(arch: str, p: dict, tok_cfg: dict):
     from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig

@@ -54,9 +54,7 @@ class DDTreeProposer(DFlashProposer):
         warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
 
     def load_model(self, target_model) -> None:
-        super().load_model(target_model)
-        if self.vllm_config.model_config.is_hybrid:
-            raise NotImplementedError("ddtree does not support hybrid (Mamba / GatedDeltaNet) targets yet")
+        super().load_model(target_model)  # (hybrid targets were refused with the config: validate_ddtree_drafter)
         from vllm.model_executor.layers.attention import Attention
 
         draft_layers = set(self._draft_attn_layer_names)

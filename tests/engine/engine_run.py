@@ -144,7 +144,8 @@ def main() -> None:
     if args.get("audit_syncs"):
         import sync_audit
 
-        audit_file = tempfile.mkstemp(suffix=".json")[1]
+        fd, audit_file = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
         sync_audit.install(audit_file)
     from vllm import LLM, SamplingParams
 

@@ -63,9 +63,7 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
-        model_config = self.vllm_config.model_config
-        if model_config.is_hybrid:
-            raise NotImplementedError("ddtree does not support hybrid (Mamba / GatedDeltaNet) targets yet")
+        model_config = self.vllm_config.model_config  # (hybrid targets were refused with the config)
         if model_config.uses_mrope:
             raise NotImplementedError("ddtree on Model Runner V2 does not support M-RoPE targets yet")
         from vllm.model_executor.layers.attention import Attention

@@ -30,7 +30,9 @@
 #   tpbench  tokens/s at TP=2: no-spec, chain, DDTree on a Qwen3-8B-shaped random target (bench_e2e.py -tp 2)
 # Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# PYTHONFAULTHANDLER: a process killed by a signal (on 2026-11-30 both ddtree TP=2 workers died without a
+# traceback during vLLM's memory profile) prints its Python stacks.
+export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-out/gpu}; RESULTS=${RESULTS:-/tmp/ddtree_gpu}; mkdir -p "$OUT" "$RESULTS"
 TRAINED=${TRAINED:-fixtures/dflash-smollm2-135m-b16-l3}  # the trained drafter (README there)
 # where `train` writes (TRAIN_ARGS="--init-from $TRAINED ..." continues the drafter)
@@ -209,7 +211,8 @@ phase_load() {
 }
 
 phase_tp() {
-  VLLM_DDTREE_TEST_LOG_DIR="$RESULTS/tp_engine_logs" VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout "${TP_TIMEOUT:-240}" \
+  VLLM_DDTREE_TEST_LOG_DIR="$RESULTS/tp_engine_logs" VLLM_DDTREE_TEST_CUDA_GRAPHS=1 VLLM_DDTREE_HANG_DUMP_S=30 \
+    timeout "${TP_TIMEOUT:-240}" \
     python3 -m pytest -x -q -p no:cacheprovider tests/engine/test_ddtree_engine.py -k tensor_parallel \
     > "$RESULTS/tp.log" 2>&1
   tail -30 "$RESULTS/tp.log"
@@ -217,7 +220,8 @@ phase_tp() {
 
 phase_tpprobe() {
   # Which part of a TP=2 engine start fails on the GPUs: no-spec and ddtree on the tiny Llama, eager and with CUDA
-  # graphs (TPPROBE_MODES; a mode ending in -no-custom-ar also turns vLLM's custom all-reduce off); each engine's
+  # graphs (TPPROBE_MODES; a mode containing -no-custom-ar also turns vLLM's custom all-reduce off, one containing
+  # -no-ddtree-graphs replays none of DDTree's own graphs: VLLM_DDTREE_CUDA_GRAPHS=0); each engine's
   # whole log is kept next to the JSON when it fails. On 2026-11-30 no-spec started in every mode and ddtree had not
   # finished starting after 90 s, hence the 240 s default.
   local target drafter mode
@@ -226,7 +230,8 @@ t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))
   df -h /dev/shm; free -g; nvidia-smi topo -m
   python3 -c 'import torch; print("peer access 0->1:", torch.cuda.can_device_access_peer(0, 1))'
   for mode in ${TPPROBE_MODES:-eager graphs}; do
-    BENCH_DISABLE_CUSTOM_ALL_REDUCE=$([[ $mode == *no-custom-ar ]] && echo 1 || echo 0) \
+    BENCH_DISABLE_CUSTOM_ALL_REDUCE=$([[ $mode == *-no-custom-ar* ]] && echo 1 || echo 0) \
+      VLLM_DDTREE_CUDA_GRAPHS=$([[ $mode == *-no-ddtree-graphs* ]] && echo 0 || echo 1) VLLM_DDTREE_HANG_DUMP_S=30 \
       timeout "${TPPROBE_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" -tp 2 \
       --budgets 16 --batch-sizes 1 --max-tokens 16 --num-prompts 2 --configs "no-spec,ddtree B=16" \
       $([[ $mode == eager* ]] && echo --eager) --out "$RESULTS/tpprobe_$mode.json" > "$RESULTS/tpprobe_$mode.log" 2>&1
@@ -236,10 +241,12 @@ t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))
 
 phase_tpbench() {
   # Tokens/s at TP=2 on the two GPUs: a Qwen3-8B-shaped target with random weights (nothing accepted, so this is
-  # the per-step cost of each method under tensor parallelism).
+  # the per-step cost of each method under tensor parallelism). TP_CONFIGS: a comma-separated subset of the
+  # configurations (e.g. "no-spec,dflash,ddtree B=16").
   timeout "${TPBENCH_TIMEOUT:-400}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" -tp 2 \
     --budgets ${TP_BUDGETS:-16 64} --batch-sizes ${TP_BATCHES:-1 8} --max-tokens 64 --num-prompts 8 \
-    --same-backend-baselines ${TP_ARGS:-} --out "$RESULTS/tp_bench.json" > "$RESULTS/tpbench.log" 2>&1
+    --same-backend-baselines ${TP_CONFIGS:+--configs "$TP_CONFIGS"} ${TP_ARGS:-} --out "$RESULTS/tp_bench.json" \
+    > "$RESULTS/tpbench.log" 2>&1
   tail -30 "$RESULTS/tpbench.log"
 }
 

@@ -60,20 +60,22 @@ def run_engine(env: dict[str, str] | None = None, **args) -> dict:
         )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise AssertionError(f"engine run failed ({proc.returncode}):\n{_failure_excerpt(proc.stderr)}")
+        raise AssertionError(f"engine run failed ({proc.returncode}):\n{_failure_excerpt(proc.stdout, proc.stderr)}")
     return json.loads(lines[-1][len("ENGINE_RESULT ") :])
 
 
-def _failure_excerpt(stderr: str) -> str:
-    """The first traceback (a worker's root cause; the engine's own comes later and only says it failed) and the
-    tail; when VLLM_DDTREE_TEST_LOG_DIR is set, the whole log is kept there too."""
+def _failure_excerpt(stdout: str, stderr: str) -> str:
+    """The first traceback (a worker's root cause; the engine's own comes later and only says it failed), the tail
+    of stdout (where vLLM logs, a worker's "WorkerProc hit an exception" included) and of stderr; when
+    VLLM_DDTREE_TEST_LOG_DIR is set, both whole streams are kept there too."""
     log_dir = os.environ.get("VLLM_DDTREE_TEST_LOG_DIR")
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        Path(tempfile.mkstemp(prefix="engine_run_", suffix=".log", dir=log_dir)[1]).write_text(stderr)
+        log = Path(tempfile.mkstemp(prefix="engine_run_", suffix=".log", dir=log_dir)[1])
+        log.write_text(f"=== stdout ===\n{stdout}\n=== stderr ===\n{stderr}")
     first = stderr.find("Traceback")
     head = stderr[first: first + 4000] + "\n[...]\n" if 0 <= first < len(stderr) - 6000 else ""
-    return head + stderr[-6000:]
+    return f"{head}{stderr[-6000:]}\n=== stdout tail ===\n{stdout[-3000:]}"
 
 
 def install_oracle(reference: dict[tuple[int, ...], list[int]], p_first: float, p_second: float, seed: int):

@@ -304,3 +304,65 @@ def test_memory_numbers():
     assert memory.workspace_bytes(s, 65) == 48 * 65 * 3 * 2**20
     budgets = [memory.max_budget(s, 10 * 2**30, 1, m) for m in ("persistent", "workspace", "replay")]
     assert budgets[0] < budgets[1] < budgets[2] == 128
+
+
+# ---------------------------------------------------------------- (5) the hooks vLLM's GDN layer would call
+
+
+def make_hooks(s, tree_rows):
+    from types import SimpleNamespace
+
+    from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
+    from vllm_ddtree.tree.layout import TreeBatch
+
+    n = len(s["parents"])
+    trees = TreeBatch.allocate(n, SPEC, "cpu")
+    for r, ps in enumerate(s["parents"]):
+        trees.parents[r, : len(ps)] = torch.tensor(ps, dtype=torch.int32)
+    metadata = SimpleNamespace(spec_sequence_masks=torch.ones(n, dtype=torch.bool), spec_query_start_loc=s["qsl"])
+    forward = object()  # one forward: both hooks and every layer share its parents
+    return GDNTreeHooks(trees, tree_rows, 64, W, torch.device("cpu"), metadata_source=lambda: (forward, metadata))
+
+
+def run_hooks(s, hooks, conv_state, ssm_state):
+    conv_out = hooks.conv_update(s["x"], conv_state, s["weight"], s["bias"], "silu",
+                                 conv_state_indices=s["spec_idx"][:, 0].contiguous(), num_accepted_tokens=s["num_acc"],
+                                 query_start_loc=s["qsl"], max_query_len=s["max_len"], validate_data=False)
+    o, _ = hooks.recurrent_update(A_log=s["A_log"], a=s["a"], b=s["b"], dt_bias=s["dt_bias"], q=s["q"][None],
+                                  k=s["k"][None], v=s["v"][None], initial_state=ssm_state, inplace_final_state=True,
+                                  cu_seqlens=s["qsl"], ssm_state_indices=s["spec_idx"],
+                                  num_accepted_tokens=s["num_acc"], use_qk_l2norm_in_kernel=True)
+    return conv_out, o
+
+
+def test_hooks_without_trees_compute_what_vllm_computes():
+    """A step whose rows verify no tree (tree_rows -1) is a chain: outputs and every state slot equal vLLM's."""
+    s = make_step(5)  # branching trees in the buffers, but no row verifies one
+    hooks = make_hooks(s, torch.full((len(s["parents"]),), -1, dtype=torch.int32))
+    conv_v, ssm_v = s["conv_state"].clone(), s["ssm_state"].clone()
+    conv_out_v, o_v = vllm_chain_step(s, conv_v, ssm_v, s["x"], s["q"], s["k"], s["v"], s["a"], s["b"], s["qsl"],
+                                      s["num_acc"], s["max_len"])
+    conv_h, ssm_h = s["conv_state"].clone(), s["ssm_state"].clone()
+    conv_out_h, o_h = run_hooks(s, hooks, conv_h, ssm_h)
+    torch.testing.assert_close(conv_out_h, conv_out_v, rtol=0, atol=1e-6)
+    torch.testing.assert_close(conv_h, conv_v, rtol=0, atol=0)
+    torch.testing.assert_close(o_h, o_v, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ssm_h, ssm_v, rtol=0, atol=1e-6)
+
+
+def test_hooks_with_trees_run_the_tree_kernels_and_keep_node_states_in_spec_columns():
+    s = make_step(6)
+    n = len(s["parents"])
+    hooks = make_hooks(s, torch.arange(n, dtype=torch.int32))
+    conv_h, ssm_h = s["conv_state"].clone(), s["ssm_state"].clone()
+    conv_out_h, o_h = run_hooks(s, hooks, conv_h, ssm_h)
+    conv_t = s["conv_state"].clone()
+    conv_out_t = run_tree_conv(s, conv_t)
+    o_t, states_t = run_tree_gdn(s)
+    torch.testing.assert_close(conv_out_h, conv_out_t, rtol=0, atol=0)
+    torch.testing.assert_close(conv_h, conv_t, rtol=0, atol=0)
+    torch.testing.assert_close(o_h, o_t, rtol=0, atol=0)
+    for r in range(n):
+        lo, hi = int(s["qsl"][r]), int(s["qsl"][r + 1])
+        written = ssm_h[s["spec_idx"][r, : hi - lo].long()]  # node i of request r in its spec column i
+        torch.testing.assert_close(written, states_t[lo:hi], rtol=0, atol=0)

@@ -27,6 +27,7 @@
 #          engine process dumping its stacks every 20 s (VLLM_DDTREE_HANG_DUMP_S) so a hang shows where
 #   tp     the TP=2 engine test on two GPUs
 #   tpprobe  TP=2 engine start-up, no-spec and ddtree, eager and with graphs (finds what the tp phase trips on)
+#   hybrid  greedy float32 equality of DDTree on a tiny GatedDeltaNet hybrid (issue 9), CUDA graphs
 #   tpbench  tokens/s at TP=2: no-spec, chain, DDTree on a Qwen3-8B-shaped random target (bench_e2e.py -tp 2)
 # Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
@@ -100,6 +101,16 @@ run_equality_tests() {
   VLLM_USE_V2_MODEL_RUNNER=0 VLLM_DDTREE_TEST_ATTENTION_BACKEND=TRITON_ATTN TRITON_F32_DEFAULT=ieee \
   VLLM_DDTREE_TEST_CUDA_GRAPHS=1 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -x -q -p no:cacheprovider \
     tests/engine/test_ddtree_engine.py -k "${TESTS_K:-batched or preemption or aborted or host_sync}"
+}
+
+phase_hybrid() {
+  # Issue 9 on GPU: greedy float32 DDTree on the tiny GatedDeltaNet hybrid equals no-spec (tree Triton kernels
+  # behind patch 0005's hooks, CUDA graphs), the reference on DDTree's runner and attention backend.
+  VLLM_USE_V2_MODEL_RUNNER=0 VLLM_DDTREE_TEST_ATTENTION_BACKEND=TRITON_ATTN TRITON_F32_DEFAULT=ieee \
+    VLLM_DDTREE_TEST_CUDA_GRAPHS=1 VLLM_DDTREE_TEST_LOG_DIR="$RESULTS/hybrid_engine_logs" \
+    timeout "${HYBRID_TIMEOUT:-300}" python3 -m pytest -x -q -p no:cacheprovider tests/engine/test_ddtree_engine.py \
+    -k "hybrid_target_equals_no_spec_in_float32_on_gpu" > "$RESULTS/hybrid.log" 2>&1
+  tail -30 "$RESULTS/hybrid.log"
 }
 
 phase_tests() {

@@ -124,6 +124,29 @@ def _refuse_non_dflash_drafter(model: str, revision: str | None) -> None:
         )
 
 
+# Set to 1 to run ddtree on a hybrid (GatedDeltaNet) target on GPU: the tree kernels are wired and tested against
+# vLLM's, but the engine's greedy equality on GPU has not been run yet (issue 9).
+HYBRID_GPU_ENV = "VLLM_DDTREE_HYBRID_GPU"
+
+
+def _check_hybrid_target(target: Any) -> None:
+    """GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5/3.6) verify trees through patch 0005; other state-space layers
+    (Mamba, Mamba2, short convolutions) have no tree kernels."""
+    chain = 'use "method": "dflash" (the chain) for this target'
+    if getattr(target.hf_text_config, "linear_num_value_heads", None) is None:
+        raise DDTreeConfigError(
+            f"ddtree supports hybrid targets only with GatedDeltaNet layers (Qwen3-Next, Qwen3.5/3.6); "
+            f"{target.model} has other recurrent layers, whose state follows a chain of tokens, not a tree: {chain}"
+        )
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and os.environ.get(HYBRID_GPU_ENV, "0") != "1":
+        raise DDTreeConfigError(
+            "ddtree on a hybrid (GatedDeltaNet) target is verified on the CPU engine only so far; set "
+            f"{HYBRID_GPU_ENV}=1 to try it on GPU (experimental), or {chain}"
+        )
+
+
 def validate_ddtree_drafter(spec: Any) -> None:
     """Check the loaded drafter is DFlash, fix ``tree_depth`` from its block size, size vLLM's reservations."""
     if spec.tree_budget is None:
@@ -138,10 +161,7 @@ def validate_ddtree_drafter(spec: Any) -> None:
     _refuse_drafter_for_another_target(spec, hf_config)
     target = spec.target_model_config
     if target is not None and getattr(target, "is_hybrid", False):
-        raise DDTreeConfigError(
-            "ddtree does not support hybrid targets (Mamba / GatedDeltaNet layers) yet: their recurrent state "
-            'follows a chain of tokens, not a tree; use "method": "dflash" (the chain) for this target'
-        )
+        _check_hybrid_target(target)
     block_size = drafter_block_size(hf_config)
     max_depth = block_size - 1
     budget = spec.tree_budget

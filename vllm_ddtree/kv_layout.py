@@ -21,13 +21,17 @@ class TargetKVCompaction:
     def __init__(self, forward_context: dict, draft_layer_names, kv_cache_groups):
         draft_layers = set(draft_layer_names)
         groups = kv_cache_groups
-        target_groups = [
-            gid for gid, g in enumerate(groups) if any(name not in draft_layers for name in g.layer_names)
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        target_groups = [  # a hybrid target's GDN state groups are laid out by hybrid.target instead
+            gid
+            for gid, g in enumerate(groups)
+            if any(name not in draft_layers for name in g.layer_names) and not isinstance(g.kv_cache_spec, MambaSpec)
         ]
         if len(target_groups) != 1:
             raise NotImplementedError(
                 f"ddtree supports targets whose attention layers share one KV cache group; this one has "
-                f"{len(target_groups)} (sliding-window or hybrid targets are not supported yet)"
+                f"{len(target_groups)} (sliding-window targets are not supported yet)"
             )
         self.group = target_groups[0]
         views: list[torch.Tensor] = []

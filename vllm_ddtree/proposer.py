@@ -54,7 +54,7 @@ class DDTreeProposer(DFlashProposer):
         warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
 
     def load_model(self, target_model) -> None:
-        super().load_model(target_model)  # (hybrid targets were refused with the config: validate_ddtree_drafter)
+        super().load_model(target_model)
         from vllm.model_executor.layers.attention import Attention
 
         draft_layers = set(self._draft_attn_layer_names)
@@ -63,6 +63,21 @@ class DDTreeProposer(DFlashProposer):
             {n: m for n, m in forward_context.items() if isinstance(m, Attention) and n not in draft_layers},
             self.device,
         )
+        if self.vllm_config.model_config.is_hybrid:
+            self.verifier.hybrid = self._hybrid_target()
+
+    def _hybrid_target(self):
+        """GatedDeltaNet layers verify trees (config.validate_ddtree_drafter allowed this target)."""
+        from vllm_ddtree.config import DDTreeConfigError
+        from vllm_ddtree.hybrid.target import HybridTreeTarget
+
+        mode = self.vllm_config.cache_config.mamba_cache_mode
+        if mode != "none":
+            raise DDTreeConfigError(
+                f"ddtree on a hybrid target keeps one state per tree node in the spec slots, which prefix caching "
+                f"of recurrent state (mamba_cache_mode={mode!r}) does not: pass --no-enable-prefix-caching"
+            )
+        return HybridTreeTarget(self.verifier, self.runner, self.device)
 
     def make_tree_sampler(self, sampler) -> TreeRejectionSampler:
         fallback = RejectionSampler(sampler, self.speculative_config, self.device)

@@ -80,6 +80,7 @@ class TreeVerifier:
         self.check_ranks = os.environ.get(CHECK_RANKS_ENV, "0") == "1"
         self.check_trees = os.environ.get(CHECK_TREES_ENV, "0") == "1"
         self.last_step: verify_step.VerifyStep | None = None  # the walked step, for the drafter's linearisation
+        self.hybrid = None  # hybrid.target.HybridTreeTarget on a GatedDeltaNet target (set by the proposer)
 
     # ------------------------------------------------------------------ before the target forward
 
@@ -163,6 +164,8 @@ class TreeVerifier:
         if self.check_ranks:
             check_ranks_agree(walk.accepted_node_ids[:num_reqs])
         self._compact_kv(step, walk)
+        if self.hybrid is not None:
+            self.hybrid.relayout(num_reqs, walk.accepted_node_ids, walk.num_accepted)
         self.timer.mark("compacted")
         verify_step.end()
         self.last_step = step

@@ -170,6 +170,7 @@ def main() -> None:
         num_gpu_blocks_override=args.get("num_gpu_blocks"),
         block_size=args.get("block_size"),
         mamba_ssm_cache_dtype=args.get("mamba_ssm_cache_dtype", "auto"),
+        enable_prefix_caching=args.get("enable_prefix_caching"),
     )
     params = [
         SamplingParams(

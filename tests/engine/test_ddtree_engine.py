@@ -35,6 +35,62 @@ def test_cpu_engine_runs_the_chain_on_a_hybrid_target(tiny_hybrid_dir, tiny_hybr
     assert [t[0] for t in result["token_ids"]] == [t[0] for t in reference]
 
 
+def agreement(tokens: list[int], reference: list[int]) -> int:
+    """Leading tokens equal to the reference."""
+    n = 0
+    while n < min(len(tokens), len(reference)) and tokens[n] == reference[n]:
+        n += 1
+    return n
+
+
+def test_ddtree_on_a_hybrid_target_follows_no_spec_as_far_as_the_chain(tiny_hybrid_dir, tiny_hybrid_dflash_dir):
+    """Issue 9 on the CPU engine: GatedDeltaNet layers verify trees (patch 0005; hybrid/cpu_tree.py is exact to
+    vLLM's chain op along every path) and every GDN layer's accepted path is laid out for vLLM's bookkeeping after
+    the walk (hybrid/target.py). vLLM's CPU GDN runs in bfloat16 only, so no speculative run equals no-spec exactly,
+    not even vLLM's chain: each leaves no-spec at its first near-tie. A node continuing from the wrong state, or a
+    path left where the tree put it, makes DDTree leave no-spec at its first accepted branch instead. So: with an
+    oracle drafter that gets nodes accepted, DDTree follows no-spec at least as far as the chain on every prompt.
+    (With chain parents forced on the trees the agreement fell from [3, 10, 24, 2] tokens to [3, 6, 2, 2]; without
+    the relayout to [3, 7, 4, 2].)"""
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14], [20, 21]]
+    args = dict(model=str(tiny_hybrid_dir), prompt_token_ids=prompts, max_tokens=24, ignore_eos=True,
+                dtype="bfloat16", mamba_ssm_cache_dtype="float32", enable_prefix_caching=False)
+    reference = run_engine(**args)["token_ids"]
+    chain = run_engine(**args, spec={"method": "dflash", "model": str(tiny_hybrid_dflash_dir),
+                                     "num_speculative_tokens": 7})["token_ids"]
+    result = run_engine(**args, spec=ddtree_spec(tiny_hybrid_dflash_dir, 8),
+                        oracle={"prompt_token_ids": prompts, "continuations": reference, "seed": 1})
+    accepted_per_depth = result["spec_decode"]["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert accepted_per_depth[1] > 0, "the oracle drafter should get paths of two nodes or more accepted"
+    tree_agreement = [agreement(t, r) for t, r in zip(result["token_ids"], reference)]
+    chain_agreement = [agreement(c, r) for c, r in zip(chain, reference)]
+    assert all(t >= c for t, c in zip(tree_agreement, chain_agreement)), (tree_agreement, chain_agreement)
+    assert sum(chain_agreement) > 2 * len(prompts), "the harness: the chain follows no-spec for a while"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's CPU GDN layers run in bfloat16 only")
+def test_ddtree_on_a_hybrid_target_equals_no_spec_in_float32_on_gpu(tiny_hybrid_dir, tiny_hybrid_dflash_dir,
+                                                                     monkeypatch):
+    """The GPU path (gdn_hooks: the Triton tree kernels behind patch 0005, in CUDA graphs): greedy float32 DDTree
+    with accepting trees equals greedy no-spec token for token (gpu_session.sh phase ``hybrid``)."""
+    monkeypatch.setenv("VLLM_DDTREE_HYBRID_GPU", "1")
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14], [20, 21]]
+    args = dict(model=str(tiny_hybrid_dir), prompt_token_ids=prompts, max_tokens=32, ignore_eos=True,
+                dtype="float32", mamba_ssm_cache_dtype="float32", enable_prefix_caching=False)
+    reference = run_engine(**args)["token_ids"]
+    result = run_engine(**args, spec=ddtree_spec(tiny_hybrid_dflash_dir, 16),
+                        oracle={"prompt_token_ids": prompts, "continuations": reference, "seed": 3})
+    assert result["token_ids"] == reference
+    assert result["spec_decode"]["vllm:spec_decode_num_accepted_tokens_per_pos"][1] > 0
+
+
+def test_ddtree_on_a_hybrid_target_refuses_recurrent_prefix_caching(tiny_hybrid_dir, tiny_hybrid_dflash_dir):
+    with pytest.raises(AssertionError, match="--no-enable-prefix-caching"):
+        run_engine(model=str(tiny_hybrid_dir), prompt_token_ids=[[1, 2, 3]], max_tokens=2, dtype="bfloat16",
+                   mamba_ssm_cache_dtype="float32", enable_prefix_caching=True,
+                   spec=ddtree_spec(tiny_hybrid_dflash_dir, 8))
+
+
 def test_dflash_chain_greedy_equals_no_spec(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
     """The harness itself: vLLM's own DFlash chain with our random drafter is lossless here too."""
     spec = {"method": "dflash", "model": str(tiny_llama_dflash_dir), "num_speculative_tokens": 7}

@@ -1,14 +1,15 @@
-"""GatedDeltaNet (Qwen3.5/3.6, Qwen3-Next) support for tree verification: kernels, references, relayout, memory.
+"""GatedDeltaNet (Qwen3.5/3.6, Qwen3-Next) targets: tree verification of their recurrent layers.
 
 vLLM 0.26.0 verifies drafts on hybrid targets as a chain (token t continues token t-1's conv window and
-recurrent state). ``tree_conv`` and ``tree_gdn`` are parent-aware versions of its two spec-decode kernels,
-``relayout`` puts the accepted path back into vLLM's chain layout (or replays it), ``memory`` sizes the state.
-Not wired into the runner yet (ddtree refuses hybrid targets at start-up); see the module docstrings for the exact
-vLLM functions each one mirrors.
+recurrent state). Patch 0005 routes the GDN layers' speculative step through hook attributes; ``target`` points
+them at the tree versions and lays each accepted path out afterwards.
 
-Where to test the wiring: vLLM's CPU engine runs GatedDeltaNet layers, speculative verify steps included, in torch
-(``vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py``: ``_cpu_gdn_attention_spec_aware`` /
-``_spec_forward`` are the CPU counterparts of the two kernels here). It needs bfloat16 weights and
-``mamba_ssm_cache_dtype="float32"``; ``offline_models.tiny_target_dir("qwen3_next")`` is such a target, and
-tests/engine runs the DFlash chain on it.
+- ``tree_conv``, ``tree_gdn``: parent-aware Triton versions of vLLM's two GPU spec-decode kernels;
+  ``gdn_hooks`` calls them with vLLM's arguments, ``spec_parents`` gives each spec token its parent.
+- ``cpu_tree``: the CPU engine's counterpart, exact to vLLM's own CPU chain op along every path.
+- ``relayout``: the accepted path into vLLM's chain layout (or replayed); ``memory``: state sizes per budget.
+- ``reference``: float64 references of all of it.
+
+vLLM's CPU engine runs GDN layers in bfloat16 with ``mamba_ssm_cache_dtype="float32"``;
+``offline_models.tiny_target_dir("qwen3_next")`` is a random tiny target for it (tests/engine).
 """

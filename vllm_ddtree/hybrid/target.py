@@ -1,0 +1,122 @@
+"""DDTree on a hybrid target: GDN layers verify trees through patch 0005's hooks; accepted paths are laid out after.
+
+During the verify forward every GDN layer runs its speculative tokens through the tree versions of vLLM's kernels
+(CPU: ``cpu_tree.tree_spec_forward_cpu`` in place of ``_spec_forward``; GPU: ``gdn_hooks.GDNTreeHooks``), which
+leave node t's state in the request's spec slot column t and its conv input in column ``width - 2 + t``, as vLLM's
+chain does for token t. After the walk, ``relayout`` moves each request's accepted path into columns
+``0..a`` in every GDN layer, so vLLM's chain bookkeeping (``num_accepted_tokens = a + 1``) reads the right state
+and window next step, unchanged.
+
+The spec slots come from the GDN layers' own KV-cache groups (vLLM reserves ``1 + num_speculative_tokens`` blocks
+per request, ``num_speculative_tokens = B``), read from the runner's block tables by batch row, so the relayout
+needs no attention metadata and runs for every row of the batch: rows without a tree accepted the root only,
+which moves nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.hybrid.relayout import relayout_accepted_path
+from vllm_ddtree.hybrid.spec_parents import spec_token_parents
+
+
+def gdn_groups(kv_cache_groups) -> list[tuple[int, list[str]]]:
+    """(group id, layer names) of the KV-cache groups holding mamba (GDN) state."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = enumerate(kv_cache_groups)
+    return [(gid, list(g.layer_names)) for gid, g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+
+
+def conv_state_view(layer) -> torch.Tensor:
+    """A GDN layer's conv cache as the kernels see it: ``(slots, dim, state_len)``."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    conv = layer.kv_cache[0]
+    return conv if is_conv_state_dim_first() else conv.transpose(-1, -2)
+
+
+class HybridTreeTarget:
+    """Per worker; ``verifier`` is the V1 ``TreeVerifier`` (its static ``trees`` and ``tree_rows``)."""
+
+    def __init__(self, verifier, runner, device: torch.device):
+        self.verifier = verifier
+        self.runner = runner
+        self.device = device
+        self._layers: list[tuple[int, torch.Tensor, torch.Tensor, int]] | None = None  # (group, conv, ssm, width)
+        self.install_hooks()
+
+    # ------------------------------------------------------------------ the verify forward
+
+    def install_hooks(self) -> None:
+        """Point patch 0005's hook attributes at the tree versions (one engine per process, as vLLM's workers)."""
+        if self.device.type == "cpu":
+            from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+            gdn_attention.SPEC_FORWARD = self.cpu_spec_forward
+            return
+        from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+        from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
+
+        width = _conv_width(self.runner)
+        max_tokens = self.runner.vllm_config.scheduler_config.max_num_batched_tokens
+        hooks = GDNTreeHooks(self.verifier.trees, self.verifier.tree_rows, max_tokens, width, self.device)
+        qwen_gdn_linear_attn.SPEC_CONV_UPDATE = hooks.conv_update
+        qwen_gdn_linear_attn.SPEC_RECURRENT_UPDATE = hooks.recurrent_update
+
+    def cpu_spec_forward(self, layer, attn_metadata, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, width,
+                         state_len):
+        """``_spec_forward``'s signature; the trees of this step's spec sequences (chains where a row has none)."""
+        from vllm_ddtree.hybrid.cpu_tree import tree_spec_forward_cpu
+
+        num_spec = attn_metadata.num_spec_decodes
+        parents = torch.empty(mixed_qkv_spec.shape[0], dtype=torch.int32)
+        spec_token_parents(
+            attn_metadata.spec_sequence_masks, attn_metadata.spec_query_start_loc[: num_spec + 1],
+            self.verifier.trees.parents, self.verifier.tree_rows, parents,
+        )
+        return tree_spec_forward_cpu(
+            layer, attn_metadata, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, width, state_len, parents
+        )
+
+    # ------------------------------------------------------------------ after the walk
+
+    def relayout(self, num_reqs: int, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Every GDN layer: request r's accepted nodes ``accepted[r, :num_accepted[r] + 1]`` to spec columns
+        ``0..num_accepted[r]`` (``accepted [R, L+1]`` node ids, -1 past the path; ``num_accepted`` = drafts kept)."""
+        if self._layers is None:
+            self._layers = self._find_layers()
+        kept = (num_accepted[:num_reqs] + 1).to(torch.int32)
+        paths = accepted[:num_reqs]
+        block_tables = {}
+        for group, conv, ssm, width in self._layers:
+            if group not in block_tables:
+                table = self.runner.input_batch.block_table[group].get_device_tensor(num_reqs)
+                slots = table[:, : self.verifier.budget + 1].to(torch.int32)
+                block_tables[group] = (
+                    slots,
+                    slots.reshape(-1).contiguous(),
+                    torch.arange(num_reqs + 1, dtype=torch.int32, device=slots.device) * slots.shape[1],
+                )
+            slots, node_slots, starts = block_tables[group]
+            relayout_accepted_path(conv, ssm, slots[:, 0], slots, paths, kept, width, ssm, node_slots, starts)
+
+    def _find_layers(self) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
+        forward_context = self.runner.compilation_config.static_forward_context
+        width = _conv_width(self.runner)  # not the weight's shape: the CPU may have packed it (AMX)
+        layers = []
+        for group, names in gdn_groups(self.runner.kv_cache_config.kv_cache_groups):
+            for name in names:
+                layer = forward_context[name]
+                layers.append((group, conv_state_view(layer), layer.kv_cache[1], width))
+        if not layers:
+            raise RuntimeError("ddtree: a hybrid target without GDN state in its KV cache groups")
+        return layers
+
+
+def _conv_width(runner) -> int:
+    """The GDN layers' conv kernel width, from the model config (Qwen3-Next / Qwen3.5 name it so)."""
+    hf = runner.vllm_config.model_config.hf_text_config
+    return int(getattr(hf, "linear_conv_kernel_dim", 4))

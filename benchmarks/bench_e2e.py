@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from vllm_ddtree import step_timing
-from vllm_ddtree.config import MRV2_ENV
+from vllm_ddtree.config import HYBRID_GPU_ENV, MRV2_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
@@ -37,6 +37,11 @@ DEFAULT_PROMPTS = [
     "Summarise the rules of chess for a beginner.",
     "SELECT name, COUNT(*) FROM orders",
 ]
+
+
+# GatedDeltaNet targets: the recurrent state in float32 (what Qwen3.5/3.6 ship; vLLM's CPU GDN needs it) and no
+# prefix caching of recurrent state (ddtree keeps one state per tree node in the spec slots).
+HYBRID_ENGINE_ARGS = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": False}
 
 
 def worker(args: dict) -> dict:
@@ -70,6 +75,7 @@ def worker(args: dict) -> dict:
         compilation_config={"max_cudagraph_capture_size": int(capture)} if capture else None,
         disable_log_stats=False,
         seed=0,
+        **(HYBRID_ENGINE_ARGS if args["hybrid"] else {}),
     )
     engine_config = llm.llm_engine.vllm_config
     tokenizer = llm.get_tokenizer()
@@ -238,7 +244,12 @@ def main() -> None:
         "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "batch_sizes": args.batch_sizes,
         "eager": args.eager, "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
         "in_process": not on_gpu and args.tensor_parallel_size == 1,
+        "hybrid": "linear_num_value_heads" in json.loads((Path(model) / "config.json").read_text()),
     }
+    if base["hybrid"] and on_gpu:
+        os.environ.setdefault(HYBRID_GPU_ENV, "1")  # ddtree's GPU hybrid path is experimental (issue 9)
+    elif base["hybrid"]:
+        base["dtype"] = "bfloat16"  # vLLM's CPU GDN layers run in bfloat16 only
     meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
             "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "dtype": base["dtype"],
             "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),

@@ -28,6 +28,7 @@
 #   tp     the TP=2 engine test on two GPUs
 #   tpprobe  TP=2 engine start-up, no-spec and ddtree, eager and with graphs (finds what the tp phase trips on)
 #   hybrid  greedy float32 equality of DDTree on a tiny GatedDeltaNet hybrid (issue 9), CUDA graphs
+#   hybridbench  step time of no-spec, the chain and DDTree on a Qwen3.6-27B-patterned random hybrid at TP=2
 #   tpbench  tokens/s at TP=2: no-spec, chain, DDTree on a Qwen3-8B-shaped random target (bench_e2e.py -tp 2)
 # Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
@@ -111,6 +112,15 @@ phase_hybrid() {
     timeout "${HYBRID_TIMEOUT:-300}" python3 -m pytest -x -q -p no:cacheprovider tests/engine/test_ddtree_engine.py \
     -k "hybrid_target_equals_no_spec_in_float32_on_gpu" > "$RESULTS/hybrid.log" 2>&1
   tail -30 "$RESULTS/hybrid.log"
+}
+
+phase_hybridbench() {
+  # Issue 9: a random-weight hybrid with Qwen3.6-27B's layer pattern (offline_models.SHAPES) at TP=2, bf16, CUDA
+  # graphs; nothing is accepted, so this is each method's step time on that target.
+  timeout "${HYBRIDBENCH_TIMEOUT:-500}" python3 benchmarks/bench_e2e.py --shape qwen3.6-27b-hybrid -tp 2 \
+    --budgets ${HYBRID_BUDGETS:-16 64} --batch-sizes ${HYBRID_BATCHES:-1} --max-tokens 64 --num-prompts 4 \
+    --out "$RESULTS/hybrid_bench.json" > "$RESULTS/hybridbench.log" 2>&1
+  tail -20 "$RESULTS/hybridbench.log"
 }
 
 phase_tests() {

@@ -514,7 +514,7 @@ def _tiny_config(arch: str, p: dict, tok_cfg: dict):
         cfg = Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
         cfg.architectures = ["Qwen3ForCausalLM"]
     elif arch == "qwen3_next":
-        cfg = Qwen3NextConfig(**common, **TINY_HYBRID)
+        cfg = Qwen3NextConfig(**common, **{**TINY_HYBRID, **p.get("hybrid", {})})
         cfg.architectures = ["Qwen3NextForCausalLM"]
     else:
         raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
@@ -631,6 +631,19 @@ SHAPES: dict[str, dict[str, Any]] = {
                       max_position_embeddings=40960),
     "tiny": dict(arch="qwen3", num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
                  head_dim=64, vocab_size=49152, rope_theta=10000.0, max_position_embeddings=2048),
+    # Qwen3.5/3.6-27B's layer pattern on vLLM's Qwen3-Next model: 64 layers, every 4th full attention (24 q / 4 kv
+    # heads of 256, output gate, partial RoPE), 48 GatedDeltaNet layers (16 k / 48 v heads of 128, conv 4), dense
+    # MLPs of 17408 (mlp_only_layers: no experts). Shapes from public Qwen3.5-27B training configs (third-party).
+    "qwen3.6-27b-hybrid": dict(arch="qwen3_next", num_layers=64, hidden_size=5120, intermediate_size=17408,
+                               num_heads=24, num_kv_heads=4, head_dim=256, vocab_size=248320, rope_theta=10000000.0,
+                               max_position_embeddings=40960,
+                               hybrid=dict(full_attention_interval=4, linear_num_value_heads=48,
+                                           linear_num_key_heads=16, linear_key_head_dim=128,
+                                           linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                           mlp_only_layers=list(range(64)))),
+    "tiny-hybrid": dict(arch="qwen3_next", num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4,
+                        num_kv_heads=2, head_dim=64, vocab_size=49152, rope_theta=10000.0,
+                        max_position_embeddings=2048),
 }
 
 

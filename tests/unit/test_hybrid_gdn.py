@@ -366,3 +366,46 @@ def test_hooks_with_trees_run_the_tree_kernels_and_keep_node_states_in_spec_colu
         lo, hi = int(s["qsl"][r]), int(s["qsl"][r + 1])
         written = ssm_h[s["spec_idx"][r, : hi - lo].long()]  # node i of request r in its spec column i
         torch.testing.assert_close(written, states_t[lo:hi], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- (6) a step's relayout over every GDN layer
+
+
+def test_step_relayout_moves_live_rows_only_even_when_padding_rows_name_their_blocks():
+    """HybridTreeTarget replays its relayout for a padded row count; padding rows keep stale block tables, which
+    may name blocks that live requests own now, and must move nothing."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.hybrid.target import HybridTreeTarget
+
+    gen = torch.Generator().manual_seed(5)
+    budget, depth, rows, live = 6, 4, 4, 2
+    slots = 1 + rows * (budget + 1)
+    table = torch.zeros(8, 16, dtype=torch.int32)
+    table[:live, : budget + 1] = (1 + torch.randperm(slots - 1, generator=gen)[: live * (budget + 1)]).view(live, -1)
+    table[live:rows, : budget + 1] = table[:live, : budget + 1].flip(0)  # stale rows: the live rows' blocks
+    accepted = torch.full((8, depth + 1), -1, dtype=torch.int32)
+    accepted[:rows, :3] = torch.tensor([[0, 2, 5], [0, 1, 3], [0, 4, 6], [0, 3, 5]], dtype=torch.int32)
+    num_accepted = torch.full((8,), 2, dtype=torch.int32)
+    layers = [(0, torch.randn(slots, 8, W - 1 + budget, generator=gen), torch.randn(slots, 2, 4, 4, generator=gen), W)
+              for _ in range(2)]
+    expected = []
+    for _, conv, ssm, _ in layers:
+        conv_e, ssm_e = conv.clone(), ssm.clone()
+        live_slots = table[:live, : budget + 1]
+        relayout_accepted_path(conv_e, ssm_e, live_slots[:, 0], live_slots, accepted[:live], num_accepted[:live] + 1,
+                               W, ssm_e, live_slots.reshape(-1), torch.arange(live + 1) * (budget + 1))
+        expected.append((conv_e, ssm_e))
+
+    target = HybridTreeTarget.__new__(HybridTreeTarget)
+    target.verifier = SimpleNamespace(budget=budget)
+    target.device = torch.device("cpu")
+    target.runner = SimpleNamespace(input_batch=SimpleNamespace(
+        block_table=[SimpleNamespace(get_device_tensor=lambda n: table[:n])]))
+    target._layers = layers
+    target._accepted, target._num_accepted = accepted, num_accepted
+    target._num_live = torch.tensor(live)
+    target._relayout_rows(rows)  # what a graph captured for 4 rows replays with 2 live requests
+    for (_, conv, ssm, _), (conv_e, ssm_e) in zip(layers, expected):
+        torch.testing.assert_close(conv, conv_e, rtol=0, atol=0)
+        torch.testing.assert_close(ssm, ssm_e, rtol=0, atol=0)

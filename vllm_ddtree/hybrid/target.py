@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.hybrid.relayout import relayout_accepted_path
 from vllm_ddtree.hybrid.spec_parents import spec_token_parents
 
@@ -85,23 +86,34 @@ class HybridTreeTarget:
 
     def relayout(self, num_reqs: int, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Every GDN layer: request r's accepted nodes ``accepted[r, :num_accepted[r] + 1]`` to spec columns
-        ``0..num_accepted[r]`` (``accepted [R, L+1]`` node ids, -1 past the path; ``num_accepted`` = drafts kept)."""
+        ``0..num_accepted[r]`` (``accepted [R, L+1]`` node ids, -1 past the path; ``num_accepted`` = drafts kept).
+        Both are the walk's static buffers; with the block tables also static, the whole relayout (about ten ops
+        per GDN layer, 48 layers on a 27B) replays from one CUDA graph per padded row count."""
         if self._layers is None:
             self._layers = self._find_layers()
-        kept = (num_accepted[:num_reqs] + 1).to(torch.int32)
-        paths = accepted[:num_reqs]
+            self._accepted, self._num_accepted = accepted, num_accepted
+            max_reqs = accepted.shape[0]
+            self._num_live = torch.zeros((), dtype=torch.int64, device=self.device)
+            self._graphs = GraphedStep(self._relayout_rows, largest_bucket(max_reqs), self.device)
+        assert accepted is self._accepted and num_accepted is self._num_accepted, "the walk's static buffers"
+        self._num_live.fill_(num_reqs)
+        self._graphs(num_reqs)
+
+    def _relayout_rows(self, rows: int) -> None:
+        """Rows past the live batch (graph padding) are masked onto the null block, moving nothing: their stale
+        block tables may name blocks that live requests own now."""
+        live = torch.arange(rows, device=self.device) < self._num_live
+        kept = torch.where(live, self._num_accepted[:rows] + 1, 1).to(torch.int32)
+        paths = torch.where(live[:, None], self._accepted[:rows], 0)  # a never-walked row may hold -1 at its root
+        node_starts = torch.arange(rows + 1, dtype=torch.int32, device=self.device) * (self.verifier.budget + 1)
         block_tables = {}
         for group, conv, ssm, width in self._layers:
             if group not in block_tables:
-                table = self.runner.input_batch.block_table[group].get_device_tensor(num_reqs)
-                slots = table[:, : self.verifier.budget + 1].to(torch.int32)
-                block_tables[group] = (
-                    slots,
-                    slots.reshape(-1).contiguous(),
-                    torch.arange(num_reqs + 1, dtype=torch.int32, device=slots.device) * slots.shape[1],
-                )
-            slots, node_slots, starts = block_tables[group]
-            relayout_accepted_path(conv, ssm, slots[:, 0], slots, paths, kept, width, ssm, node_slots, starts)
+                table = self.runner.input_batch.block_table[group].get_device_tensor(rows)
+                slots = torch.where(live[:, None], table[:, : self.verifier.budget + 1], 0).to(torch.int32)
+                block_tables[group] = (slots, slots.reshape(-1).contiguous())
+            slots, node_slots = block_tables[group]
+            relayout_accepted_path(conv, ssm, slots[:, 0], slots, paths, kept, width, ssm, node_slots, node_starts)
 
     def _find_layers(self) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
         forward_context = self.runner.compilation_config.static_forward_context

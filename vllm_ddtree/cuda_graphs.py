@@ -39,8 +39,11 @@ def largest_bucket(max_reqs: int, cap: int = 8) -> int:
 class GraphedStep:
     """Calls ``fn(rows)`` through a CUDA graph captured for ``row_bucket(rows)`` on first use."""
 
-    def __init__(self, fn: Callable[[int], None], max_rows: int, device: torch.device):
+    def __init__(self, fn: Callable[[int], None], max_rows: int, device: torch.device, idempotent: bool = True):
+        """``idempotent=False`` for a function that updates its buffers in place (running it twice is not running
+        it once): the call that captures a bucket then keeps the warm-up run's result instead of replaying."""
         self.fn = fn
+        self.idempotent = idempotent
         self.max_rows = max_rows
         self.enabled = graphs_enabled(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -58,6 +61,8 @@ class GraphedStep:
         graph = self.graphs.get(bucket)
         if graph is None:
             graph = self._capture(bucket)
+            if not self.idempotent:
+                return  # the warm-up run before the capture made this call's update
         graph.replay()
 
     def _capture(self, rows: int) -> torch.cuda.CUDAGraph:

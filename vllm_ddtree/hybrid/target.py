@@ -94,7 +94,7 @@ class HybridTreeTarget:
             self._accepted, self._num_accepted = accepted, num_accepted
             max_reqs = accepted.shape[0]
             self._num_live = torch.zeros((), dtype=torch.int64, device=self.device)
-            self._graphs = GraphedStep(self._relayout_rows, largest_bucket(max_reqs), self.device)
+            self._graphs = GraphedStep(self._relayout_rows, largest_bucket(max_reqs), self.device, idempotent=False)
         assert accepted is self._accepted and num_accepted is self._num_accepted, "the walk's static buffers"
         self._num_live.fill_(num_reqs)
         self._graphs(num_reqs)

@@ -14,6 +14,7 @@ gdn_cpu = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.gdn_atte
 if not hasattr(torch.ops._C, "fused_sigmoid_gating_delta_rule_update_spec_cpu"):
     pytest.skip("vLLM's CPU GDN ops are not built in this environment", allow_module_level=True)
 
+from tree_shapes import path_to, random_parents  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
@@ -25,23 +26,6 @@ DIM = 2 * H * K + HV * V
 SPEC = 8  # num_speculative_tokens: a full draft has SPEC + 1 tokens
 STATE_LEN = W - 1 + SPEC
 BF16 = torch.bfloat16
-
-
-def random_parents(n: int, gen: torch.Generator, chain: bool = False) -> list[int]:
-    if chain:
-        return list(range(-1, n - 1))
-    out = [-1]
-    for i in range(1, n):
-        r = torch.rand((), generator=gen).item()
-        out.append(i - 1 if r < 0.4 else int(torch.randint(0, i, (), generator=gen)))
-    return out
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def path_then_rest(parents: list[int], node: int) -> list[int]:

@@ -8,6 +8,7 @@ bookkeeping continues exactly as if the accepted path had been verified as a cha
 
 import pytest
 import torch
+from tree_shapes import path_to, random_parents
 
 from vllm_ddtree.hybrid import memory
 from vllm_ddtree.hybrid.reference import (
@@ -26,24 +27,6 @@ H, HV, K, V, W = 2, 4, 16, 16, 4
 DIM = 2 * H * K + HV * V
 SPEC = 12  # num_speculative_tokens: slots hold up to SPEC + 1 tree tokens
 ATOL = 2e-5
-
-
-def random_parents(n: int, gen: torch.Generator, chain: bool = False) -> list[int]:
-    """Pop-ordered tree (parents[i] < i); biased towards the previous node, as best-first trees often are."""
-    if chain:
-        return list(range(-1, n - 1))
-    out = [-1]
-    for i in range(1, n):
-        r = torch.rand((), generator=gen).item()
-        out.append(i - 1 if r < 0.4 else int(torch.randint(0, i, (), generator=gen)))
-    return out
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def gdn_inputs(t: int, gen: torch.Generator, dtype=torch.float64):

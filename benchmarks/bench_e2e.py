@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from vllm_ddtree import step_timing
 from vllm_ddtree.config import HYBRID_GPU_ENV, MRV2_ENV
+from vllm_ddtree.offline_models import hybrid_engine_args
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
@@ -37,11 +39,6 @@ DEFAULT_PROMPTS = [
     "Summarise the rules of chess for a beginner.",
     "SELECT name, COUNT(*) FROM orders",
 ]
-
-
-# GatedDeltaNet targets: the recurrent state in float32 (what Qwen3.5/3.6 ship; vLLM's CPU GDN needs it) and no
-# prefix caching of recurrent state (ddtree keeps one state per tree node in the spec slots).
-HYBRID_ENGINE_ARGS = {"mamba_ssm_cache_dtype": "float32", "enable_prefix_caching": False}
 
 
 def worker(args: dict) -> dict:
@@ -75,7 +72,7 @@ def worker(args: dict) -> dict:
         compilation_config={"max_cudagraph_capture_size": int(capture)} if capture else None,
         disable_log_stats=False,
         seed=0,
-        **(HYBRID_ENGINE_ARGS if args["hybrid"] else {}),
+        **(hybrid_engine_args() if args["hybrid"] else {}),
     )
     engine_config = llm.llm_engine.vllm_config
     tokenizer = llm.get_tokenizer()
@@ -273,15 +270,14 @@ def main() -> None:
         with log_path.open("w") as log:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
         output = log_path.read_text()
-        # (another process's partial line may precede the marker on its line)
-        line = [x[x.index("BENCH_RESULT "):] for x in output.splitlines() if "BENCH_RESULT " in x]
+        result = worker_result(output)
         if not (args.out and proc.returncode):
             log_path.unlink()
-        if not line:
+        if result is None:
             print(f"{name}: FAILED\n{output[-4000:]}", file=sys.stderr)
             results[name] = None
             continue
-        results[name] = json.loads(line[-1][len("BENCH_RESULT "):])
+        results[name] = result
         if timing_dir:
             meta.setdefault("step_timing", {})[name] = step_timing.read_reports(timing_dir)
             _print_step_timing(name, meta["step_timing"][name])
@@ -296,6 +292,13 @@ def main() -> None:
     failed = [name for name, res in results.items() if res is None]
     if failed:
         sys.exit(f"failed configurations: {', '.join(failed)}")
+
+
+def worker_result(output: str) -> dict | None:
+    """The worker's ``BENCH_RESULT {...}`` line, or None. Another process's partial line may precede the marker on
+    its line, and a failed worker's traceback quotes the print statement (``"BENCH_RESULT " + ...``)."""
+    found = re.findall(r"BENCH_RESULT (\{.*\})$", output, flags=re.MULTILINE)
+    return json.loads(found[-1]) if found else None
 
 
 def summarise(results: dict[str, dict | None]) -> list[dict]:

@@ -243,23 +243,30 @@ phase_tp() {
 }
 
 phase_tpprobe() {
-  # Which part of a TP=2 engine start fails on the GPUs: no-spec and ddtree on the tiny Llama, eager and with CUDA
-  # graphs (TPPROBE_MODES; a mode containing -no-custom-ar also turns vLLM's custom all-reduce off, one containing
-  # -no-ddtree-graphs replays none of DDTree's own graphs: VLLM_DDTREE_CUDA_GRAPHS=0); each engine's
-  # whole log is kept next to the JSON when it fails. On 2026-11-30 no-spec started in every mode and ddtree had not
-  # finished starting after 90 s, hence the 240 s default.
-  local target drafter mode
+  # Which part of a TP=2 engine start fails on the GPUs, on the tiny Llama (TPPROBE_CONFIGS of no-spec, the chain on
+  # DDTree's runner and backend, ddtree; TPPROBE_BATCHES; TPPROBE_MODES): eager or with CUDA graphs; a mode containing
+  # -no-custom-ar turns vLLM's custom all-reduce off, -no-ddtree-graphs replays none of DDTree's own graphs
+  # (VLLM_DDTREE_CUDA_GRAPHS=0), -blocking sets CUDA_LAUNCH_BLOCKING=1 so an illegal memory access is reported by the
+  # kernel that made it. Each engine's whole log is kept next to the JSON when it fails.
+  # 2026-11-30: ddtree started with graphs at batch 1 (max_num_seqs 1); on the Qwen3-8B shape with max_num_seqs 8 both
+  # workers died in vLLM's CUDA-graph memory profile with "custom_all_reduce.cuh:455 an illegal memory access".
+  # TPPROBE_SHAPE (e.g. qwen3-8b) probes a random-weight shaped target instead of the tiny Llama.
+  local target drafter mode models
   read -r target drafter < <(python3 -c 'from vllm_ddtree import offline_models as om
 t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))')
-  df -h /dev/shm; free -g; nvidia-smi topo -m
+  models=(--model "$target" --drafter "$drafter")
+  [[ -n ${TPPROBE_SHAPE:-} ]] && models=(--shape "$TPPROBE_SHAPE")
   python3 -c 'import torch; print("peer access 0->1:", torch.cuda.can_device_access_peer(0, 1))'
   for mode in ${TPPROBE_MODES:-eager graphs}; do
     BENCH_DISABLE_CUSTOM_ALL_REDUCE=$([[ $mode == *-no-custom-ar* ]] && echo 1 || echo 0) \
       VLLM_DDTREE_CUDA_GRAPHS=$([[ $mode == *-no-ddtree-graphs* ]] && echo 0 || echo 1) VLLM_DDTREE_HANG_DUMP_S=30 \
-      timeout "${TPPROBE_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" -tp 2 \
-      --budgets 16 --batch-sizes 1 --max-tokens 16 --num-prompts 2 --configs "no-spec,ddtree B=16" \
-      $([[ $mode == eager* ]] && echo --eager) --out "$RESULTS/tpprobe_$mode.json" > "$RESULTS/tpprobe_$mode.log" 2>&1
+      CUDA_LAUNCH_BLOCKING=$([[ $mode == *-blocking* ]] && echo 1 || echo 0) \
+      timeout "${TPPROBE_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py "${models[@]}" -tp 2 \
+      --budgets 16 --batch-sizes ${TPPROBE_BATCHES:-1 4} --max-tokens 16 --num-prompts 4 --same-backend-baselines \
+      --configs "${TPPROBE_CONFIGS:-no-spec V1+tri,dflash V1+tri,ddtree B=16}" $([[ $mode == eager* ]] && echo --eager) \
+      --out "$RESULTS/tpprobe_$mode.json" > "$RESULTS/tpprobe_$mode.log" 2>&1
     echo "tpprobe $mode exit $?"; tail -8 "$RESULTS/tpprobe_$mode.log"
+    grep -h "Cuda error\|Fatal Python\|illegal" "$RESULTS"/tpprobe_"$mode"*.log | sort | uniq -c | head
   done
 }
 

@@ -151,6 +151,8 @@ def main() -> None:
         sync_audit.install(audit_file)
     from vllm import LLM, SamplingParams
 
+    from vllm_ddtree.offline_models import hybrid_engine_args
+
     llm = LLM(
         model=args["model"],
         dtype=args.get("dtype", "float32"),
@@ -171,6 +173,8 @@ def main() -> None:
         block_size=args.get("block_size"),
         mamba_ssm_cache_dtype=args.get("mamba_ssm_cache_dtype", "auto"),
         enable_prefix_caching=args.get("enable_prefix_caching"),
+        # GatedDeltaNet targets on a GPU host without FlashInfer: vLLM's Triton prefill (offline_models).
+        gdn_prefill_backend=hybrid_engine_args().get("gdn_prefill_backend"),
     )
     params = [
         SamplingParams(

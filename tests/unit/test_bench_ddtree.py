@@ -198,3 +198,14 @@ def test_projected_speedup_uses_the_papers_tau_over_the_step_cost():
     assert bd.projected_speedup(0.0) == pytest.approx(10.73 / 7.79, abs=1e-3)
     assert bd.projected_speedup(0.61) == pytest.approx(10.73 / 7.79 / 1.61, abs=1e-3)  # the 2026-11-29 tax: 0.86x
     assert bd.projected_speedup(None) is None
+
+
+def test_bench_e2e_reads_a_workers_result_line_and_not_a_traceback_quoting_it():
+    """A TP=2 worker that died at start-up (2026-11-30) left a traceback quoting the marker's print statement, which
+    bench_e2e parsed as a result and crashed on, losing the other configurations' table."""
+    spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "benchmarks" / "bench_e2e.py")
+    be = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(be)
+    traceback = '  File "bench_e2e.py", line 190, in main\n    print("BENCH_RESULT " + json.dumps(worker(x)))\n'
+    assert be.worker_result("INFO starting\n" + traceback) is None
+    assert be.worker_result('(Worker pid=7) partial BENCH_RESULT {"rows": [1]}\nINFO shutdown\n') == {"rows": [1]}

@@ -361,6 +361,38 @@ def test_prepare_verify_guard_refuses_a_tree_whose_fed_tokens_differ():
     assert torch.equal(step.batch.positions[: step.root_row(1)], step.linear_positions[: step.root_row(1)])
 
 
+@pytest.mark.parametrize("seed, tamper", [(0, None), (1, None), (2, "draft"), (3, "short")])
+def test_prepare_rows_kernel_equals_its_torch_reference(seed, tamper):
+    """The one-launch Triton prepare (TRITON_INTERPRET here) against the plain-PyTorch reference, on every output:
+    the trees in batch order, num_nodes, tree_rows (rows past the batch too), depth positions and the row layout."""
+    from vllm_ddtree.mrv2.row_layout import RowBuffers, prepare_rows_torch, prepare_rows_triton
+
+    steps = [FakeStep(seed), FakeStep(seed)]
+    outputs = []
+    for step, prepare in zip(steps, (prepare_rows_triton, prepare_rows_torch)):
+        if tamper == "draft":  # the fresh truncated tree's last fed draft is not the tree's: the guard refuses it
+            row = step.root_row(1) + REQUESTS[1][2]
+            step.batch.input_ids[row] = (step.batch.input_ids[row] + 1) % VOCAB
+        if tamper == "short":  # the first tree has fewer nodes than were fed: refused too
+            step.req_trees.num_nodes[REQUESTS[0][0]] = REQUESTS[0][2] - 1
+        verifier = step.verifier
+        verifier.tree_rows.fill_(3)  # stale values from an earlier, larger batch
+        outputs.append(prepare(step.batch, step.req_trees, verifier.verify_trees, verifier.tree_rows,
+                               RowBuffers(MAX_REQS, MAX_TOKENS, torch.device("cpu"))))
+    (kernel, reference), (kernel_step, reference_step) = outputs, steps
+    expected = [tamper != "short", tamper != "draft", False, False, False]
+    assert kernel.has_tree.tolist() == expected == reference.has_tree.tolist()
+    for name in ("shift", "row_request", "row_node", "root_rows", "row_starts"):
+        assert torch.equal(getattr(kernel, name), getattr(reference, name)), name
+    assert torch.equal(kernel_step.batch.positions, reference_step.batch.positions)
+    assert torch.equal(kernel_step.verifier.tree_rows, reference_step.verifier.tree_rows)
+    assert kernel_step.verifier.tree_rows[len(REQUESTS):].eq(-1).all()
+    num_reqs = len(REQUESTS)
+    for name in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
+        assert torch.equal(getattr(kernel_step.verifier.verify_trees, name)[:num_reqs],
+                           getattr(reference_step.verifier.verify_trees, name)[:num_reqs]), name
+
+
 def test_prepare_verify_skips_steps_without_drafts():
     step = FakeStep()
     step.batch.num_draft_tokens = 0
@@ -505,6 +537,33 @@ def test_linearise_gives_dflash_the_accepted_path_as_a_chain():
         assert query == list(range(s + m + 1, s + m + 2 + DEPTH))
         assert int(draft.seq_lens[r]) == s + m + 2 + DEPTH
         assert int(draft.input_ids[r * (1 + DEPTH)]) == bonus[r]
+
+
+@pytest.mark.parametrize("walked", [True, False])
+def test_linearise_rows_kernel_equals_its_torch_reference(walked):
+    """The one-launch Triton linearise (TRITON_INTERPRET here) against the plain-PyTorch reference: the positions
+    go back to linear, and after a walk the row order is ``chain_order``'s (not before: None)."""
+    from vllm_ddtree.mrv2.row_layout import linearise_rows_torch, linearise_rows_triton
+
+    orders = []
+    for linearise in (linearise_rows_triton, linearise_rows_torch):
+        step = FakeStep(4)
+        _kv_fixture(step)
+        if walked:
+            _run_sampler(step)  # prepare, walk, compaction: accepted paths with acc[k] != k
+        else:
+            step.verifier.prepare(step.batch)
+            verify_step.end()
+        verifier = step.verifier
+        assert not torch.equal(step.batch.positions, step.linear_positions)
+        accepted = verifier.walk.accepted_node_ids[: step.batch.num_reqs] if walked else None
+        orders.append(linearise(step.batch, verifier.rows, accepted, torch.arange(MAX_TOKENS)))
+        assert torch.equal(step.batch.positions, step.linear_positions)
+    kernel, reference = orders
+    if walked:
+        assert torch.equal(kernel, reference) and not torch.equal(kernel, torch.arange(len(kernel)))
+    else:
+        assert kernel is None and reference is None
 
 
 def test_tree_sampler_logprobs_follow_the_accepted_path():

@@ -123,7 +123,7 @@ def _attend_tile(
     return m_new, L, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # batch 1 and larger batches share one compiled variant
 def _tree_attn_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, anc_ptr, tree_rows_ptr,
@@ -243,7 +243,7 @@ def _tree_attn_kernel(
         tl.store(part_acc_ptr + p_row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # batch 1 and larger batches share one compiled variant
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr, num_seqs,
     stride_o0, stride_o1,

@@ -8,7 +8,8 @@ earlier. The trees themselves live in ``req_trees``, indexed by the same persist
 - ``MRV2TreeVerifier.prepare`` (patch 0004's ``prepare_verify`` hook, right after the slot mapping): a request
   verifies its tree only if every fed row equals the tree's token (the stale-tree guard: resumed or new requests
   are fed zeroed drafts while their slot may still hold an older request's tree); then the tree rows' positions
-  become ``s + depth`` in place, and the trees are gathered into batch order for the attention kernel.
+  become ``s + depth`` in place, and the trees are gathered into batch order for the attention kernel, all in one
+  Triton launch (row_layout.py; so is ``linearise``, which gives the drafter the accepted paths as chains).
 - ``MRV2TreeSampler``: one token per node with the runner's own ``Sampler`` (Gumbel noise keyed by the depth
   position, so siblings share noise and every emitted token is a fresh draw given the emitted prefix), the walk,
   then the accepted K/V moved onto the path. Its output follows MRV2's ``SamplerOutput`` contract with freshly
@@ -21,17 +22,24 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vllm_ddtree import verify_step
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
+from vllm_ddtree.mrv2.row_layout import (
+    PreparedRows,
+    RowBuffers,
+    linearise_rows_torch,
+    linearise_rows_triton,
+    prepare_rows_torch,
+    prepare_rows_triton,
+)
 from vllm_ddtree.sampler import TreeWalkOutput, walk_tree
 from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.layout import TreeBatch
-from vllm_ddtree.verify_layout import chain_order, depth_position_shift, gather_trees
+from vllm_ddtree.verify_layout import chain_order
 
 logger = logging.getLogger("vllm_ddtree")
 
@@ -39,17 +47,6 @@ logger = logging.getLogger("vllm_ddtree")
 # with drafts the stale-tree guard refused (a host sync: for bring-up and tests only).
 CHECK_RANKS_ENV = "VLLM_DDTREE_CHECK_RANKS"
 CHECK_TREES_ENV = "VLLM_DDTREE_CHECK_TREES"
-
-
-@dataclass
-class MRV2VerifyRows:
-    """Device-side row layout of one verify step (the V1 step's CPU index arrays have no MRV2 equivalent)."""
-
-    rows: torch.Tensor  # [L] token row of each logits row (input_batch.logits_indices)
-    shift: torch.Tensor  # [L] int64: depth position - linear position, 0 outside verified trees
-    root_rows: torch.Tensor  # [R] int64 token row of each request's root
-    row_starts: torch.Tensor  # [R] int64 first logits row of each request
-    has_tree: torch.Tensor  # [R] bool: verifies its tree (has drafts and passed the guard)
 
 
 class MRV2TreeVerifier:
@@ -77,10 +74,14 @@ class MRV2TreeVerifier:
         verify_step.publish_static_inputs(
             verify_step.StaticTreeInputs(self.verify_trees.ancestor_bits, self.tree_rows)
         )
-        self._row_index = torch.arange(max_num_tokens, dtype=torch.int32, device=device)
-        self._batch_index = torch.arange(max_reqs, dtype=torch.int32, device=device)
+        # One Triton launch on CUDA (and under TRITON_INTERPRET in tests); the torch reference elsewhere.
+        use_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        self._prepare_rows = prepare_rows_triton if use_triton else prepare_rows_torch
+        self._linearise_rows = linearise_rows_triton if use_triton else linearise_rows_torch
+        self._row_buffers = RowBuffers(max_reqs, max_num_tokens, device)
+        self._row_identity = torch.arange(max_num_tokens, dtype=torch.int64, device=device)
         self._walk_graphs = GraphedStep(self._walk_rows, largest_bucket(max_reqs), device)
-        self.rows: MRV2VerifyRows | None = None  # the step in flight: set by prepare, cleared by the speculator
+        self.rows: PreparedRows | None = None  # the step in flight: set by prepare, cleared by the speculator
         self.walked = False  # the step in flight has been walked (its accepted paths are in self.walk)
         self.compaction = None  # kv_layout.TargetKVCompaction, built on first use (caches bind after set_attn)
         self.block_tables = None  # MRV2's BlockTables, set by the speculator's set_attn
@@ -100,58 +101,26 @@ class MRV2TreeVerifier:
             return
         self.timer.mark("prepare")
         num_reqs = input_batch.num_reqs
-        rows = input_batch.logits_indices
-        num_logits = rows.shape[0]
-        cu = input_batch.cu_num_logits[: num_reqs + 1]
-        num_drafts = (cu[1:] - cu[:-1] - 1).to(torch.int32)  # [R] drafts fed per request
-        row_batch = torch.searchsorted(cu[1:], self._row_index[:num_logits], right=True)  # [L] batch row
-        slot = input_batch.expanded_idx_mapping.to(torch.int64)  # [L] request slot of each row
-        node = input_batch.expanded_local_pos.to(torch.int64)  # [L] 0 = root, then node index
-
-        # Stale-tree guard: every fed row (root included) must be the slot's tree token at that node.
-        trees = self.req_trees
-        fed = input_batch.input_ids[rows].to(torch.int64)
-        row_ok = (fed == trees.token_ids[slot, node]) & (node <= trees.num_nodes[slot].to(torch.int64))
-        all_ok = torch.ones(num_reqs, dtype=torch.int32, device=self.device)
-        all_ok.scatter_reduce_(0, row_batch, row_ok.to(torch.int32), reduce="amin")
-        has_tree = (all_ok > 0) & (num_drafts > 0)
-
-        # This step's trees in batch order (stale rows too; num_nodes 0 makes the walk ignore them).
-        verify = self.verify_trees
-        gather_trees(trees, input_batch.idx_mapping, verify)
-        verify.num_nodes[:num_reqs] = torch.where(has_tree, num_drafts, 0)
-        self.tree_rows.fill_(-1)  # rows past this batch too, should an earlier step have gone unwalked
-        self.tree_rows[:num_reqs] = torch.where(has_tree, self._batch_index[:num_reqs], -1)
-
-        # Slots were computed from the linear positions; node i's position becomes s + depth(i).
-        shift = depth_position_shift(verify, row_batch, node, has_tree[row_batch])
-        input_batch.positions[rows] += shift
-
+        prepared = self._prepare_rows(input_batch, self.req_trees, self.verify_trees, self.tree_rows, self._row_buffers)
+        num_drafts_np = np.asarray(input_batch.num_draft_tokens_per_req[:num_reqs])
         if self.check_trees:
-            refused = int(((num_drafts > 0) & ~has_tree).sum())
+            refused = int(((num_drafts_np > 0) & ~prepared.has_tree.cpu().numpy()).sum())
             if refused:
                 logger.info("ddtree: %d of %d requests with drafts verify no tree (stale or new)", refused, num_reqs)
 
-        num_drafts_np = np.asarray(input_batch.num_draft_tokens_per_req[:num_reqs])
         row_starts_np = np.asarray(input_batch.cu_num_logits_np[:num_reqs])
         root_rows_np = np.asarray(input_batch.query_start_loc_np[1 : num_reqs + 1]) - (num_drafts_np + 1)
-        self.rows = MRV2VerifyRows(
-            rows=rows,
-            shift=shift,
-            root_rows=input_batch.query_start_loc[1 : num_reqs + 1].to(torch.int64) - (num_drafts + 1),
-            row_starts=cu[:-1].to(torch.int64),
-            has_tree=has_tree,
-        )
+        self.rows = prepared
         verify_step.begin(
             verify_step.VerifyStep(
-                trees=verify,
+                trees=self.verify_trees,
                 num_reqs=num_reqs,
                 num_nodes_cpu=num_drafts_np.copy(),
                 has_tree_cpu=num_drafts_np > 0,  # may verify a tree: the guard decides on the device
                 root_rows_cpu=root_rows_np,
                 row_starts_cpu=row_starts_np,
-                row_request=row_batch,
-                row_node=node,
+                row_request=prepared.row_request,
+                row_node=prepared.row_node,
             )
         )
         self.timer.mark("prepared")
@@ -199,14 +168,13 @@ class MRV2TreeVerifier:
         """For the drafter: undo the depth positions and, once the trees are walked, reorder the target's hidden
         rows so each accepted path is a chain right after its root (what MRV2's DFlash input kernel expects: it
         takes every scheduled row as context and the first ``1 + m`` as valid). Returns ``[T, H]`` tensors."""
-        rows = self.rows
-        if rows is None:
+        if self.rows is None:
+            return hidden_states
+        accepted = self.walk.accepted_node_ids[: input_batch.num_reqs] if self.walked else None
+        order = self._linearise_rows(input_batch, self.rows, accepted, self._row_identity)
+        if order is None:
             return hidden_states
         num_tokens = input_batch.num_tokens
-        input_batch.positions[rows.rows] -= rows.shift
-        if not self.walked:
-            return hidden_states
-        order = chain_order(self.walk.accepted_node_ids[: input_batch.num_reqs], rows.root_rows, num_tokens)
         return [h[:num_tokens].index_select(0, order) for h in hidden_states]
 
     def finish_step(self) -> None:

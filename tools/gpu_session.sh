@@ -23,6 +23,7 @@
 #   load   the load and fault test of the server (benchmarks/load_test.py)
 #   mrv2   DDTree on Model Runner V2 (VLLM_DDTREE_MRV2=1): float32 greedy equality against no-spec on MRV2 with
 #          TRITON_ATTN, then bf16 tokens/s against the chain as users run it (MRV2), with the step breakdown at batch 1
+#          (MRV2_PARTS picks among "equality e2e timing")
 #   mrv2probe  MRV2 bring-up: the smallest ddtree engine on Model Runner V2, eager then with CUDA graphs, every
 #          engine process dumping its stacks every 20 s (VLLM_DDTREE_HANG_DUMP_S) so a hang shows where
 #   tp     the TP=2 engine test on two GPUs
@@ -182,28 +183,39 @@ phase_e2e() {
 }
 
 phase_mrv2() {
-  local target drafter
+  # MRV2_PARTS (default "equality e2e timing"): float32 greedy equality, bf16 tokens/s, the batch-1 step breakdown.
+  local target drafter parts=" ${MRV2_PARTS:-equality e2e timing} "
+  [[ -n ${MRV2_EQUALITY_ONLY:-} ]] && parts=" equality "
   read -r target drafter < <(smollm2_pair)
   local common=(--model "$target" --drafter "$drafter" --prompt-set heldout --mrv2 --tree-capture-size 1024)
-  VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${MRV2_EQUALITY_TIMEOUT:-240}" \
-    python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
-    --max-tokens 96 --dtype float32 --same-backend-baselines \
-    --configs "${MRV2_EQUALITY_CONFIGS:-no-spec MRV2+tri,ddtree B=16 MRV2,ddtree B=64 MRV2}" \
-    --out "$RESULTS/mrv2_equality_fp32.json" > "$RESULTS/mrv2_equality.log" 2>&1
-  tail -12 "$RESULTS/mrv2_equality.log"
-  [[ -n ${MRV2_EQUALITY_ONLY:-} ]] && return
-  # --same-backend-baselines makes "no-spec MRV2+tri" and "dflash MRV2+tri" available to MRV2_E2E_CONFIGS: the bf16
-  # count of outputs differing from no-spec on DDTree's own attention kernel (on FlashAttention the chain's verify
-  # rounds as no-spec's decode, DDTree's Triton tree kernel does not: 0/24 vs 18/24 on 2026-11-30).
-  timeout "${MRV2_E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 24 \
-    --same-backend-baselines --budgets ${MRV2_BUDGETS:-16 32 64} --batch-sizes ${MRV2_BATCHES:-1 8} --max-tokens 128 \
-    --configs "${MRV2_E2E_CONFIGS:-no-spec,dflash,ddtree B=16 MRV2,ddtree B=32 MRV2,ddtree B=64 MRV2}" \
-    --out "$RESULTS/mrv2_e2e.json" > "$RESULTS/mrv2_e2e.log" 2>&1
-  tail -24 "$RESULTS/mrv2_e2e.log"
-  timeout "${MRV2_TIMING_TIMEOUT:-120}" python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 8 \
-    --budgets 64 --batch-sizes 1 --max-tokens 128 --step-timing --configs "ddtree B=64 MRV2" \
-    --out "$RESULTS/mrv2_step_timing.json" > "$RESULTS/mrv2_step_timing.log" 2>&1
-  tail -16 "$RESULTS/mrv2_step_timing.log"
+  if [[ $parts == *" equality "* ]]; then
+    VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${MRV2_EQUALITY_TIMEOUT:-240}" \
+      python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
+      --max-tokens 96 --dtype float32 --same-backend-baselines \
+      --configs "${MRV2_EQUALITY_CONFIGS:-no-spec MRV2+tri,ddtree B=16 MRV2,ddtree B=64 MRV2}" \
+      --out "$RESULTS/mrv2_equality_fp32.json" > "$RESULTS/mrv2_equality.log" 2>&1
+    tail -12 "$RESULTS/mrv2_equality.log"
+  fi
+  if [[ $parts == *" e2e "* ]]; then
+    # --same-backend-baselines makes "no-spec MRV2+tri" and "dflash MRV2+tri" available to MRV2_E2E_CONFIGS: the
+    # bf16 count of outputs differing from no-spec on DDTree's own attention kernel (on FlashAttention the chain's
+    # verify rounds as no-spec's decode, DDTree's Triton tree kernel does not: 0/24 vs 18/24 on 2026-11-30).
+    timeout "${MRV2_E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 24 \
+      --same-backend-baselines --budgets ${MRV2_BUDGETS:-16 32 64} --batch-sizes ${MRV2_BATCHES:-1 8} \
+      --max-tokens 128 \
+      --configs "${MRV2_E2E_CONFIGS:-no-spec,dflash,ddtree B=16 MRV2,ddtree B=32 MRV2,ddtree B=64 MRV2}" \
+      --out "$RESULTS/mrv2_e2e.json" > "$RESULTS/mrv2_e2e.log" 2>&1
+    tail -24 "$RESULTS/mrv2_e2e.log"
+  fi
+  if [[ $parts == *" timing "* ]]; then
+    # The step breakdown at batch 1, with the chain of the same call for reference (MRV2_TIMING_BUDGET, default 16).
+    local timing_budget=${MRV2_TIMING_BUDGET:-16}
+    timeout "${MRV2_TIMING_TIMEOUT:-200}" python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 8 \
+      --budgets "$timing_budget" --batch-sizes 1 --max-tokens 128 --step-timing \
+      --configs "dflash,ddtree B=$timing_budget MRV2" \
+      --out "$RESULTS/mrv2_step_timing.json" > "$RESULTS/mrv2_step_timing.log" 2>&1
+    tail -16 "$RESULTS/mrv2_step_timing.log"
+  fi
 }
 
 phase_mrv2probe() {
@@ -247,7 +259,8 @@ phase_tpprobe() {
   # DDTree's runner and backend, ddtree; TPPROBE_BATCHES; TPPROBE_MODES): eager or with CUDA graphs; a mode containing
   # -no-custom-ar turns vLLM's custom all-reduce off, -no-ddtree-graphs replays none of DDTree's own graphs
   # (VLLM_DDTREE_CUDA_GRAPHS=0), -blocking sets CUDA_LAUNCH_BLOCKING=1 so an illegal memory access is reported by the
-  # kernel that made it. Each engine's whole log is kept next to the JSON when it fails.
+  # kernel that made it, -capture-once replays no drafter graph while vLLM captures (VLLM_DDTREE_DRAFTER_CAPTURE_ONCE,
+  # cuda_graphs.DrafterCaptureOnce: the suspect). Each engine's whole log is kept next to the JSON when it fails.
   # 2026-11-30: ddtree started with graphs at batch 1 (max_num_seqs 1); on the Qwen3-8B shape with max_num_seqs 8 both
   # workers died in vLLM's CUDA-graph memory profile with "custom_all_reduce.cuh:455 an illegal memory access".
   # TPPROBE_SHAPE (e.g. qwen3-8b) probes a random-weight shaped target instead of the tiny Llama.
@@ -261,6 +274,7 @@ t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))
     BENCH_DISABLE_CUSTOM_ALL_REDUCE=$([[ $mode == *-no-custom-ar* ]] && echo 1 || echo 0) \
       VLLM_DDTREE_CUDA_GRAPHS=$([[ $mode == *-no-ddtree-graphs* ]] && echo 0 || echo 1) VLLM_DDTREE_HANG_DUMP_S=30 \
       CUDA_LAUNCH_BLOCKING=$([[ $mode == *-blocking* ]] && echo 1 || echo 0) \
+      VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=$([[ $mode == *-capture-once* ]] && echo 1 || echo 0) \
       timeout "${TPPROBE_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py "${models[@]}" -tp 2 \
       --budgets 16 --batch-sizes ${TPPROBE_BATCHES:-1 4} --max-tokens 16 --num-prompts 4 --same-backend-baselines \
       --configs "${TPPROBE_CONFIGS:-no-spec V1+tri,dflash V1+tri,ddtree B=16}" $([[ $mode == eager* ]] && echo --eager) \

@@ -100,3 +100,35 @@ def warn_if_trees_outgrow_graphs(vllm_config, budget: int) -> None:
             "lower the budget",
             graphed, per_request, max(sizes), min(max_reqs * per_request, scheduler.max_num_batched_tokens),
         )
+
+
+DRAFTER_CAPTURE_ONCE_ENV = "VLLM_DDTREE_DRAFTER_CAPTURE_ONCE"
+
+
+class DrafterCaptureOnce:
+    """Opt-in (VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=1, issue 7 bring-up): while vLLM's V1 runner captures, run the
+    drafter's dummy pass eagerly when its graph for that size was captured earlier in the same pass.
+
+    DFlash caps its dummy pass at ``max_query_tokens``, so every target size above that runs the drafter at the
+    same size, and the second such run replays the graph captured moments before, still inside vLLM's capture
+    context. A replayed custom all-reduce then reads peer buffers that vLLM registers only when that context ends:
+    the suspect in the TP=2 start-up crash of 2026-11-30 ("custom_all_reduce.cuh:455 an illegal memory access",
+    in the CUDA-graph memory profile, max_num_seqs 8). Eagerly inside the capture context the all-reduce launches
+    nothing, and the graph captured once is all the drafter uses later."""
+
+    def __init__(self):
+        self.enabled = os.environ.get(DRAFTER_CAPTURE_ONCE_ENV, "0") == "1"
+        self._captured: set = set()
+        self._last_tokens = -1
+
+    def use_graphs(self, key, num_tokens: int) -> bool:
+        """Whether the capture-time dummy pass for target size ``num_tokens`` (drafter graph ``key``) may use
+        graphs. vLLM captures sizes in descending order, once to profile memory and once for real: a size no
+        smaller than the last one starts a new pass."""
+        if num_tokens >= self._last_tokens:
+            self._captured.clear()
+        self._last_tokens = num_tokens
+        if key in self._captured:
+            return False
+        self._captured.add(key)
+        return True

@@ -21,7 +21,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket, warn_if_trees_outgrow_graphs
+from vllm_ddtree.cuda_graphs import DrafterCaptureOnce, GraphedStep, largest_bucket, warn_if_trees_outgrow_graphs
 from vllm_ddtree.hang_dump import arm_from_env as arm_hang_dump
 from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.build import build_tree
@@ -48,6 +48,7 @@ class DDTreeProposer(DFlashProposer):
         self._graph_logits: torch.Tensor | None = None  # [graph rows, depth, vocab], allocated on first use
         self._graph_roots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self._placeholder_drafts = torch.zeros(max_reqs * self.tree_depth, dtype=torch.int64, device=device)
+        self._capture_once = DrafterCaptureOnce()
         # Before the target model is built: its attention layers then pick the tree-aware backend subclasses.
         tree_backends.select_tree_attention_backend(vllm_config)
         tree_backends.install()
@@ -78,6 +79,13 @@ class DDTreeProposer(DFlashProposer):
                 f"of recurrent state (mamba_cache_mode={mode!r}) does not: pass --no-enable-prefix-caching"
             )
         return HybridTreeTarget(self.verifier, self.runner, self.device)
+
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, is_graph_capturing: bool = False,
+                  slot_mappings=None) -> None:
+        if is_graph_capturing and use_cudagraphs and self._capture_once.enabled:
+            mode, padded, _ = self._determine_batch_execution_and_padding(min(num_tokens, self.max_query_tokens))
+            use_cudagraphs = self._capture_once.use_graphs((mode, padded), num_tokens)
+        super().dummy_run(num_tokens, use_cudagraphs, is_graph_capturing, slot_mappings)
 
     def make_tree_sampler(self, sampler) -> TreeRejectionSampler:
         fallback = RejectionSampler(sampler, self.speculative_config, self.device)

@@ -86,3 +86,23 @@ def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
         warn_if_trees_outgrow_graphs(config(8, sizes), 64)
     [message] = warnings()
     assert "more than 7 requests" in message and '"max_cudagraph_capture_size": 520' in message
+
+
+def test_drafter_capture_once_replays_nothing_inside_a_capture_pass(monkeypatch):
+    """vLLM's V1 capture: a memory-profile pass over the two largest sizes, then the real pass over all of them,
+    each in descending order; DFlash's dummy pass runs at min(size, max_query_tokens) = 136 for every size above
+    it. Only the first run at a drafter size in each pass may use graphs (capture); later ones would replay."""
+    from vllm_ddtree.cuda_graphs import DRAFTER_CAPTURE_ONCE_ENV, DrafterCaptureOnce
+
+    assert not DrafterCaptureOnce().enabled
+    monkeypatch.setenv(DRAFTER_CAPTURE_ONCE_ENV, "1")
+    guard = DrafterCaptureOnce()
+    assert guard.enabled
+
+    def drafter_key(size: int) -> tuple[str, int]:
+        return ("PIECEWISE", min(size, 136))
+
+    profile = [guard.use_graphs(drafter_key(n), n) for n in (272, 256)]
+    capture = {n: guard.use_graphs(drafter_key(n), n) for n in (272, 256, 248, 136, 128, 8)}
+    assert profile == [True, False]
+    assert capture == {272: True, 256: False, 248: False, 136: False, 128: True, 8: True}

@@ -89,9 +89,10 @@ phase_acceptance() {
 phase_tax() {
   # The tree tax on a Qwen3-8B-shaped target with random in-memory weights: nothing is accepted, so the ratio of
   # step times is the cost of verifying a B-node tree (plus build and walk) against the chain's 15 drafts.
+  # On Model Runner V2: TAX_ARGS=--mrv2 TAX_CONFIGS="dflash,ddtree B=16 MRV2,ddtree B=64 MRV2".
   timeout "${TAX_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
     --budgets ${TAX_BUDGETS:-16 64 128 32} --batch-sizes 1 --max-tokens 64 --num-prompts 4 --chain-v1 --step-timing \
-    ${TAX_CONFIGS:+--configs "$TAX_CONFIGS"} \
+    ${TAX_CONFIGS:+--configs "$TAX_CONFIGS"} ${TAX_ARGS:-} \
     --out "$RESULTS/tax.json" > "$RESULTS/tax.log" 2>&1
   tail -40 "$RESULTS/tax.log"
 }
@@ -255,8 +256,9 @@ phase_tp() {
 }
 
 phase_tpprobe() {
-  # Which part of a TP=2 engine start fails on the GPUs, on the tiny Llama (TPPROBE_CONFIGS of no-spec, the chain on
-  # DDTree's runner and backend, ddtree; TPPROBE_BATCHES; TPPROBE_MODES): eager or with CUDA graphs; a mode containing
+  # Which part of a TP=2 engine start fails on the GPUs, on the tiny Llama (TPPROBE_CONFIGS of no-spec and the chain
+  # on DDTree's V1 runner and backend, ddtree on V1 and on MRV2; TPPROBE_BATCHES; TPPROBE_MODES): eager or with CUDA
+  # graphs; a mode containing
   # -no-custom-ar turns vLLM's custom all-reduce off, -no-ddtree-graphs replays none of DDTree's own graphs
   # (VLLM_DDTREE_CUDA_GRAPHS=0), -blocking sets CUDA_LAUNCH_BLOCKING=1 so an illegal memory access is reported by the
   # kernel that made it, -capture-once replays no drafter graph while vLLM captures (VLLM_DDTREE_DRAFTER_CAPTURE_ONCE,
@@ -277,7 +279,8 @@ t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))
       VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=$([[ $mode == *-capture-once* ]] && echo 1 || echo 0) \
       timeout "${TPPROBE_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py "${models[@]}" -tp 2 \
       --budgets 16 --batch-sizes ${TPPROBE_BATCHES:-1 4} --max-tokens 16 --num-prompts 4 --same-backend-baselines \
-      --configs "${TPPROBE_CONFIGS:-no-spec V1+tri,dflash V1+tri,ddtree B=16}" $([[ $mode == eager* ]] && echo --eager) \
+      --mrv2 --configs "${TPPROBE_CONFIGS:-no-spec V1+tri,dflash V1+tri,ddtree B=16,ddtree B=16 MRV2}" \
+      $([[ $mode == eager* ]] && echo --eager) \
       --out "$RESULTS/tpprobe_$mode.json" > "$RESULTS/tpprobe_$mode.log" 2>&1
     echo "tpprobe $mode exit $?"; tail -8 "$RESULTS/tpprobe_$mode.log"
     grep -h "Cuda error\|Fatal Python\|illegal" "$RESULTS"/tpprobe_"$mode"*.log | sort | uniq -c | head

@@ -351,6 +351,34 @@ def test_hooks_with_trees_run_the_tree_kernels_and_keep_node_states_in_spec_colu
         torch.testing.assert_close(written, states_t[lo:hi], rtol=0, atol=0)
 
 
+def test_hooks_compute_node_slots_once_per_kv_cache_group_and_forward():
+    """Every GDN layer of a KV-cache group gets the same node slots; another group (its own spec slots) its own;
+    the next forward recomputes them. Slots: column t of the token's sequence row in ``ssm_state_indices``."""
+    from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
+    from vllm_ddtree.tree.layout import TreeBatch
+
+    qsl = torch.tensor([0, 3, 4, 7], dtype=torch.int32)
+    forward = [object()]
+    hooks = GDNTreeHooks(TreeBatch.allocate(3, SPEC, "cpu"), torch.full((3,), -1, dtype=torch.int32), 16, W,
+                         torch.device("cpu"), metadata_source=lambda: (forward[0], None), max_groups=2)
+    group_a = torch.arange(3 * (SPEC + 1), dtype=torch.int32).view(3, SPEC + 1) + 100
+    group_b = torch.arange(3 * (SPEC + 1), dtype=torch.int32).view(3, SPEC + 1) + 500
+
+    def expected(indices):
+        return torch.tensor([int(indices[r, t]) for r in range(3) for t in range(int(qsl[r + 1] - qsl[r]))],
+                            dtype=torch.int32)
+
+    slots_a = hooks.node_slots(7, qsl, group_a)
+    assert torch.equal(slots_a, expected(group_a))
+    assert torch.equal(hooks.node_slots(7, qsl, group_b), expected(group_b))
+    group_a += 1000  # the same forward: the group's slots were computed by its first layer
+    assert hooks.node_slots(7, qsl, group_a) is slots_a and torch.equal(slots_a, expected(group_a - 1000))
+    with pytest.raises(RuntimeError, match="max_groups"):
+        hooks.node_slots(7, qsl, group_b.clone())
+    forward[0] = object()  # the next forward
+    assert torch.equal(hooks.node_slots(7, qsl, group_a), expected(group_a))
+
+
 # ---------------------------------------------------------------- (6) a step's relayout over every GDN layer
 
 

@@ -11,7 +11,9 @@ kernels compute exactly what vLLM's do.
 Token parents and conv windows are computed once per forward (the first GDN layer; every layer of a step shares
 the batch) into static buffers. Node t's recurrent state goes to vLLM's spec slot column t of its sequence (the
 "persistent" layout of ``relayout``), which is where vLLM's chain kernel puts the state after token t: the
-post-walk relayout then only has to move the accepted path's columns.
+post-walk relayout then only has to move the accepted path's columns. Those slots differ per GDN KV-cache group,
+so they are computed once per group and forward (about 8 small kernels: at 48 GDN layers in a few groups, instead
+of ~400 in every captured verify graph).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ class GDNTreeHooks:
         conv_width: int,
         device: torch.device,
         metadata_source: Callable[[], tuple[Any, Any]] = forward_gdn_metadata,
+        max_groups: int = 64,
     ):
+        """``max_groups``: at most this many GDN KV-cache groups (the GDN layer count bounds it)."""
         self.trees = trees
         self.tree_rows = tree_rows
         self.conv_width = conv_width
@@ -61,6 +65,10 @@ class GDNTreeHooks:
         self.parents = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.window = torch.full((max_tokens, conv_width - 1), -1, dtype=torch.int32, device=device)
         self._computed_for: Any = None  # the forward whose parents are in the buffers
+        # Static node-slot buffers, one per GDN KV-cache group of a forward, in the order the layers meet them.
+        self.group_slots = torch.zeros(max_groups, max_tokens, dtype=torch.int32, device=device)
+        self._slots_for: Any = None  # the forward whose groups are in _slots_by_group
+        self._slots_by_group: dict[tuple, torch.Tensor] = {}
 
     def step_parents(self, num_tokens: int, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's ``[T]`` token parents and ``[T, width-1]`` conv windows (computed on first use)."""
@@ -74,6 +82,26 @@ class GDNTreeHooks:
             window.copy_(tree_conv_window(parents, query_start_loc, self.conv_width))
             self._computed_for = key
         return parents, window
+
+    def node_slots(self, num_tokens: int, cu_seqlens: torch.Tensor, ssm_state_indices: torch.Tensor) -> torch.Tensor:
+        """``[T]`` int32: the spec slot of each token's node (column t of its sequence's ``ssm_state_indices`` row),
+        computed on the first layer of each KV-cache group (its own ``ssm_state_indices``) in this forward."""
+        key, _ = self.metadata_source()
+        if key is not self._slots_for:
+            self._slots_for, self._slots_by_group = key, {}
+        group = (ssm_state_indices.data_ptr(), tuple(ssm_state_indices.shape))
+        slots = self._slots_by_group.get(group)
+        if slots is None:
+            if len(self._slots_by_group) == self.group_slots.shape[0]:
+                raise RuntimeError("ddtree: more GDN KV-cache groups in one forward than GDNTreeHooks' max_groups")
+            slots = self.group_slots[len(self._slots_by_group), :num_tokens]
+            tok = torch.arange(num_tokens, device=slots.device)
+            last_seq = cu_seqlens.shape[0] - 2
+            seq = torch.searchsorted(cu_seqlens[1:].to(torch.int64), tok, right=True).clamp(max=last_seq)
+            node = (tok - cu_seqlens.to(torch.int64)[seq]).clamp(0, ssm_state_indices.shape[1] - 1)
+            slots.copy_(ssm_state_indices[seq, node])
+            self._slots_by_group[group] = slots
+        return slots
 
     def conv_update(
         self,
@@ -115,10 +143,7 @@ class GDNTreeHooks:
         """``fused_sigmoid_gating_delta_rule_update`` for spec tokens; node t's state goes to spec column t."""
         num_tokens = q.shape[1]
         parents, _ = self.step_parents(num_tokens, cu_seqlens)
-        tok = torch.arange(num_tokens, device=q.device)
-        seq = torch.searchsorted(cu_seqlens[1:].to(torch.int64), tok, right=True).clamp(max=cu_seqlens.shape[0] - 2)
-        node = (tok - cu_seqlens.to(torch.int64)[seq]).clamp(0, ssm_state_indices.shape[1] - 1)
-        node_slots = ssm_state_indices[seq, node].to(torch.int32)
+        node_slots = self.node_slots(num_tokens, cu_seqlens, ssm_state_indices)
         o, _ = tree_fused_sigmoid_gating_delta_rule_update(
             A_log, a, b, dt_bias, q, k, v, parents,
             initial_state=initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,

@@ -63,7 +63,9 @@ class HybridTreeTarget:
 
         width = _conv_width(self.runner)
         max_tokens = self.runner.vllm_config.scheduler_config.max_num_batched_tokens
-        hooks = GDNTreeHooks(self.verifier.trees, self.verifier.tree_rows, max_tokens, width, self.device)
+        num_layers = self.runner.vllm_config.model_config.hf_text_config.num_hidden_layers  # bounds the GDN groups
+        hooks = GDNTreeHooks(self.verifier.trees, self.verifier.tree_rows, max_tokens, width, self.device,
+                             max_groups=num_layers)
         qwen_gdn_linear_attn.SPEC_CONV_UPDATE = hooks.conv_update
         qwen_gdn_linear_attn.SPEC_RECURRENT_UPDATE = hooks.recurrent_update
 

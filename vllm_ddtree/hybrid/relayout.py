@@ -18,9 +18,56 @@ conv columns and for persistent per-node slots.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
+
+
+@dataclass
+class RelayoutPlan:
+    """The index work of a relayout, shared by every GDN layer of one KV-cache group (same slots, same paths): each
+    layer then only moves its data (``apply_relayout``), a few kernels instead of about fifteen."""
+
+    rows: torch.Tensor  # [N, 1] int64 conv slot of each request
+    conv_dst: torch.Tensor  # [N, L] int64 conv column of path position k (k = 1..L)
+    conv_src: torch.Tensor  # [N, L] int64 its source column (itself off the path)
+    state_src: torch.Tensor | None  # [N] int64 node-state row of the path's last node
+    state_dst: torch.Tensor | None  # [N] int64 slot that must hold it
+
+
+def relayout_plan(
+    conv_state_indices: torch.Tensor,
+    spec_state_indices: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+    width: int,
+    node_state_indices: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+) -> RelayoutPlan:
+    """The indices of ``relayout_accepted_path`` (arguments as there), no data touched."""
+    n_req, width_acc = accepted.shape
+    acc = accepted.long()
+    last = (num_accepted.long() - 1).clamp(min=0)
+    k = torch.arange(1, width_acc, device=acc.device)
+    dst = width - 2 + k.expand(n_req, -1)
+    src = torch.where(k[None, :] <= last[:, None], width - 2 + acc[:, 1:], dst)  # off-path: copy onto itself
+    plan = RelayoutPlan(conv_state_indices.long()[:, None], dst, src, None, None)
+    if node_state_indices is not None:
+        node = acc.gather(1, last[:, None])[:, 0]
+        plan.state_src = node_state_indices.long()[query_start_loc[:n_req].long() + node]
+        plan.state_dst = spec_state_indices.long().gather(1, last[:, None])[:, 0]
+    return plan
+
+
+def apply_relayout(
+    conv_state: torch.Tensor, ssm_state: torch.Tensor, plan: RelayoutPlan, node_states: torch.Tensor | None
+) -> None:
+    """One GDN layer's data moves; every source is read before anything is written."""
+    conv_state[plan.rows, :, plan.conv_dst] = conv_state[plan.rows, :, plan.conv_src]
+    if node_states is not None and plan.state_src is not None:
+        ssm_state[plan.state_dst] = node_states[plan.state_src].to(ssm_state.dtype)
 
 
 def relayout_accepted_path(
@@ -41,22 +88,12 @@ def relayout_accepted_path(
     conv_state_indices ``[N]``; spec_state_indices ``[N, >=a+1]``; accepted ``[N, L+1]`` node ids (-1 past the
     path); num_accepted ``[N]`` = a + 1; node_states / node_state_indices / query_start_loc as given to
     ``tree_fused_sigmoid_gating_delta_rule_update`` (both None: conv columns only, for ``replay_accepted_path``).
-    Every source is read before anything is written.
+    Every source is read before anything is written. Several layers of one KV-cache group: ``relayout_plan`` once,
+    then ``apply_relayout`` per layer.
     """
-    n_req, width_acc = accepted.shape
-    acc = accepted.long()
-    last = (num_accepted.long() - 1).clamp(min=0)
-    k = torch.arange(1, width_acc, device=acc.device)
-    dst = width - 2 + k.expand(n_req, -1)
-    src = torch.where(k[None, :] <= last[:, None], width - 2 + acc[:, 1:], dst)  # off-path: copy onto itself
-    rows = conv_state_indices.long()[:, None]
-    conv_state[rows, :, dst] = conv_state[rows, :, src]
-    if node_states is None:
-        return
-    node = acc.gather(1, last[:, None])[:, 0]
-    src_rows = node_state_indices.long()[query_start_loc[:n_req].long() + node]
-    dst_rows = spec_state_indices.long().gather(1, last[:, None])[:, 0]
-    ssm_state[dst_rows] = node_states[src_rows].to(ssm_state.dtype)
+    plan = relayout_plan(conv_state_indices, spec_state_indices, accepted, num_accepted, width,
+                         node_state_indices if node_states is not None else None, query_start_loc)
+    apply_relayout(conv_state, ssm_state, plan, node_states)
 
 
 def branch_node_indices(parents: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
-from vllm_ddtree.hybrid.relayout import relayout_accepted_path
+from vllm_ddtree.hybrid.relayout import apply_relayout, relayout_plan
 from vllm_ddtree.hybrid.spec_parents import spec_token_parents
 
 
@@ -89,8 +89,9 @@ class HybridTreeTarget:
     def relayout(self, num_reqs: int, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Every GDN layer: request r's accepted nodes ``accepted[r, :num_accepted[r] + 1]`` to spec columns
         ``0..num_accepted[r]`` (``accepted [R, L+1]`` node ids, -1 past the path; ``num_accepted`` = drafts kept).
-        Both are the walk's static buffers; with the block tables also static, the whole relayout (about ten ops
-        per GDN layer, 48 layers on a 27B) replays from one CUDA graph per padded row count."""
+        Both are the walk's static buffers; with the block tables also static, the whole relayout (the index work
+        once per KV-cache group, then a few data moves per GDN layer, 48 layers on a 27B) replays from one CUDA
+        graph per padded row count."""
         if self._layers is None:
             self._layers = self._find_layers()
             self._accepted, self._num_accepted = accepted, num_accepted
@@ -108,14 +109,13 @@ class HybridTreeTarget:
         kept = torch.where(live, self._num_accepted[:rows] + 1, 1).to(torch.int32)
         paths = torch.where(live[:, None], self._accepted[:rows], 0)  # a never-walked row may hold -1 at its root
         node_starts = torch.arange(rows + 1, dtype=torch.int32, device=self.device) * (self.verifier.budget + 1)
-        block_tables = {}
+        plans = {}  # one index plan per KV-cache group, shared by its layers
         for group, conv, ssm, width in self._layers:
-            if group not in block_tables:
+            if group not in plans:
                 table = self.runner.input_batch.block_table[group].get_device_tensor(rows)
                 slots = torch.where(live[:, None], table[:, : self.verifier.budget + 1], 0).to(torch.int32)
-                block_tables[group] = (slots, slots.reshape(-1).contiguous())
-            slots, node_slots = block_tables[group]
-            relayout_accepted_path(conv, ssm, slots[:, 0], slots, paths, kept, width, ssm, node_slots, node_starts)
+                plans[group] = relayout_plan(slots[:, 0], slots, paths, kept, width, slots.reshape(-1), node_starts)
+            apply_relayout(conv, ssm, plans[group], ssm)
 
     def _find_layers(self) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
         forward_context = self.runner.compilation_config.static_forward_context

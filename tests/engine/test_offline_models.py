@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -155,21 +154,18 @@ def _tmp_dirs(cache: Path) -> list[Path]:
 
 
 def test_cache_reused(tmp_path, smollm2_dir, tiny_llama_dir):
-    t0 = time.monotonic()
     tgt = om.tiny_target_dir("llama", cache=tmp_path, tokenizer_dir=smollm2_dir, num_layers=2, hidden_size=64)
-    build_s = time.monotonic() - t0
     assert tgt == tmp_path / "tiny-llama-h64-l2"
     drf = om.random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path)
     stamps = {p: (p / om.MARKER).stat().st_mtime_ns for p in (tgt, drf)}
     inodes = {p: p.stat().st_ino for p in (tgt, drf)}
-    t0 = time.monotonic()
     assert om.tiny_target_dir("llama", cache=tmp_path, tokenizer_dir=smollm2_dir, num_layers=2,
                               hidden_size=64) == tgt
     assert om.random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path) == drf
-    reuse_s = time.monotonic() - t0
+    # Reused, not rebuilt: the same marker write and the same directory (a rebuild renames a fresh one in).
+    # No wall-clock bound: on a loaded 2-core CI box the reuse path's hashing is as slow as a tiny build.
     for p in (tgt, drf):
         assert (p / om.MARKER).stat().st_mtime_ns == stamps[p] and p.stat().st_ino == inodes[p]
-    assert reuse_s < 1.0 and reuse_s < build_s, (reuse_s, build_s)
     assert not _tmp_dirs(tmp_path)
     # The env var selects the cache; a different recipe (seed) is a different directory.
     with pytest.MonkeyPatch.context() as mp:

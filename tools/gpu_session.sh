@@ -261,8 +261,9 @@ phase_tpprobe() {
   # graphs; a mode containing
   # -no-custom-ar turns vLLM's custom all-reduce off, -no-ddtree-graphs replays none of DDTree's own graphs
   # (VLLM_DDTREE_CUDA_GRAPHS=0), -blocking sets CUDA_LAUNCH_BLOCKING=1 so an illegal memory access is reported by the
-  # kernel that made it, -capture-once replays no drafter graph while vLLM captures (VLLM_DDTREE_DRAFTER_CAPTURE_ONCE,
-  # cuda_graphs.DrafterCaptureOnce: the suspect). Each engine's whole log is kept next to the JSON when it fails.
+  # kernel that made it, -capture-once replays no drafter graph while vLLM captures (VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=1,
+  # cuda_graphs.DrafterCaptureOnce against the suspect; the default under TP since 2026-11-30, so modes without it set
+  # it to 0 and show the old behaviour). Each engine's whole log is kept next to the JSON when it fails.
   # 2026-11-30: ddtree started with graphs at batch 1 (max_num_seqs 1); on the Qwen3-8B shape with max_num_seqs 8 both
   # workers died in vLLM's CUDA-graph memory profile with "custom_all_reduce.cuh:455 an illegal memory access".
   # TPPROBE_SHAPE (e.g. qwen3-8b) probes a random-weight shaped target instead of the tiny Llama.

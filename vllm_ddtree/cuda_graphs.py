@@ -105,19 +105,38 @@ def warn_if_trees_outgrow_graphs(vllm_config, budget: int) -> None:
 DRAFTER_CAPTURE_ONCE_ENV = "VLLM_DDTREE_DRAFTER_CAPTURE_ONCE"
 
 
+def warn_if_tensor_parallel_graphs(vllm_config, device: torch.device) -> None:
+    """Say at start-up that DDTree's GPU graphs under tensor parallelism are unproven, and what to try if start-up
+    dies (the one H200 run at TP=2 with vLLM's custom all-reduce died while capturing; see DrafterCaptureOnce)."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if device.type != "cuda" or tp == 1 or vllm_config.model_config.enforce_eager:
+        return
+    logging.getLogger("vllm_ddtree").warning(
+        "ddtree: tensor_parallel_size=%d with CUDA graphs has not yet served on a GPU (the one H200 run, Qwen3-8B "
+        "shape at TP=2, died in vLLM's CUDA-graph capture with an illegal memory access reported by the custom "
+        "all-reduce). The drafter's repeated capture-time passes now run eagerly (%s=1 by default under tensor "
+        "parallelism) against the suspected cause; if start-up still dies, try --disable-custom-all-reduce, or "
+        "--enforce-eager", tp, DRAFTER_CAPTURE_ONCE_ENV,
+    )
+
+
 class DrafterCaptureOnce:
-    """Opt-in (VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=1, issue 7 bring-up): while vLLM's V1 runner captures, run the
-    drafter's dummy pass eagerly when its graph for that size was captured earlier in the same pass.
+    """While vLLM's V1 runner captures, run the drafter's dummy pass eagerly when its graph for that size was
+    captured earlier in the same pass. On by default under tensor parallelism; VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=0
+    or 1 overrides.
 
     DFlash caps its dummy pass at ``max_query_tokens``, so every target size above that runs the drafter at the
     same size, and the second such run replays the graph captured moments before, still inside vLLM's capture
-    context. A replayed custom all-reduce then reads peer buffers that vLLM registers only when that context ends:
-    the suspect in the TP=2 start-up crash of 2026-11-30 ("custom_all_reduce.cuh:455 an illegal memory access",
-    in the CUDA-graph memory profile, max_num_seqs 8). Eagerly inside the capture context the all-reduce launches
-    nothing, and the graph captured once is all the drafter uses later."""
+    context. A custom all-reduce captured in that context reads its peers' addresses from a slot that vLLM fills
+    only when the context ends (``register_graph_buffers``), so its replay reads an unfilled slot: the suspect in
+    the TP=2 start-up crash of 2026-11-30 ("custom_all_reduce.cuh:455 an illegal memory access", in the CUDA-graph
+    memory profile, max_num_seqs 8; not confirmed on a GPU since). Eagerly inside the capture context the
+    all-reduce launches nothing, and the graph captured once is all the drafter uses later, so the guard costs
+    nothing at run time."""
 
-    def __init__(self):
-        self.enabled = os.environ.get(DRAFTER_CAPTURE_ONCE_ENV, "0") == "1"
+    def __init__(self, tensor_parallel_size: int = 1):
+        override = os.environ.get(DRAFTER_CAPTURE_ONCE_ENV)
+        self.enabled = tensor_parallel_size > 1 if override is None else override == "1"
         self._captured: set = set()
         self._last_tokens = -1
 

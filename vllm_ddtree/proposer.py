@@ -21,7 +21,13 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.cuda_graphs import DrafterCaptureOnce, GraphedStep, largest_bucket, warn_if_trees_outgrow_graphs
+from vllm_ddtree.cuda_graphs import (
+    DrafterCaptureOnce,
+    GraphedStep,
+    largest_bucket,
+    warn_if_tensor_parallel_graphs,
+    warn_if_trees_outgrow_graphs,
+)
 from vllm_ddtree.hang_dump import arm_from_env as arm_hang_dump
 from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.tree.build import build_tree
@@ -48,11 +54,12 @@ class DDTreeProposer(DFlashProposer):
         self._graph_logits: torch.Tensor | None = None  # [graph rows, depth, vocab], allocated on first use
         self._graph_roots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self._placeholder_drafts = torch.zeros(max_reqs * self.tree_depth, dtype=torch.int64, device=device)
-        self._capture_once = DrafterCaptureOnce()
+        self._capture_once = DrafterCaptureOnce(vllm_config.parallel_config.tensor_parallel_size)
         # Before the target model is built: its attention layers then pick the tree-aware backend subclasses.
         tree_backends.select_tree_attention_backend(vllm_config)
         tree_backends.install()
         warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
+        warn_if_tensor_parallel_graphs(vllm_config, device)
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)

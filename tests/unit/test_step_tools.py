@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -64,8 +66,6 @@ def test_graphed_step_replays_the_captured_work():
 
 def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
     """B=64 at 8 requests is 520 tokens, past vLLM's default 512-token graphs: say so at start-up, with the fix."""
-    from types import SimpleNamespace
-
     from vllm_ddtree.cuda_graphs import warn_if_trees_outgrow_graphs
 
     def config(max_seqs, sizes, eager=False):
@@ -88,13 +88,34 @@ def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
     assert "more than 7 requests" in message and '"max_cudagraph_capture_size": 520' in message
 
 
+def test_tensor_parallel_graphs_warn_at_start_up(caplog):
+    from vllm_ddtree.cuda_graphs import warn_if_tensor_parallel_graphs
+
+    def config(tp, eager=False):
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp), model_config=SimpleNamespace(enforce_eager=eager)
+        )
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with caplog.at_level("WARNING", logger="vllm_ddtree"):
+        for cfg, device in ((config(1), cuda), (config(2), cpu), (config(2, eager=True), cuda)):
+            warn_if_tensor_parallel_graphs(cfg, device)
+        assert not caplog.records
+        warn_if_tensor_parallel_graphs(config(2), cuda)
+    [record] = caplog.records
+    assert "tensor_parallel_size=2" in record.getMessage() and "--disable-custom-all-reduce" in record.getMessage()
+
+
 def test_drafter_capture_once_replays_nothing_inside_a_capture_pass(monkeypatch):
     """vLLM's V1 capture: a memory-profile pass over the two largest sizes, then the real pass over all of them,
     each in descending order; DFlash's dummy pass runs at min(size, max_query_tokens) = 136 for every size above
     it. Only the first run at a drafter size in each pass may use graphs (capture); later ones would replay."""
     from vllm_ddtree.cuda_graphs import DRAFTER_CAPTURE_ONCE_ENV, DrafterCaptureOnce
 
-    assert not DrafterCaptureOnce().enabled
+    monkeypatch.delenv(DRAFTER_CAPTURE_ONCE_ENV, raising=False)
+    assert not DrafterCaptureOnce().enabled and DrafterCaptureOnce(tensor_parallel_size=2).enabled
+    monkeypatch.setenv(DRAFTER_CAPTURE_ONCE_ENV, "0")
+    assert not DrafterCaptureOnce(tensor_parallel_size=2).enabled
     monkeypatch.setenv(DRAFTER_CAPTURE_ONCE_ENV, "1")
     guard = DrafterCaptureOnce()
     assert guard.enabled

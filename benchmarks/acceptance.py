@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    from vllm_ddtree import offline_models as om
+    from ddtree_testkit import offline_models as om
 
     a.drafter = a.drafter or str(om.trained_smollm2_drafter_dir())
     from vllm_ddtree.config import MAX_TREE_BUDGET

@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from ddtree_testkit.offline_models import hybrid_engine_args
 from vllm_ddtree import step_timing
 from vllm_ddtree.config import HYBRID_GPU_ENV, MRV2_ENV
-from vllm_ddtree.offline_models import hybrid_engine_args
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
@@ -134,7 +134,7 @@ def load_prompts(prompt_set: str, limit: int | None) -> list[str]:
 
 def default_models() -> tuple[str, str]:
     sys.path.insert(0, str(ROOT))
-    from vllm_ddtree import offline_models
+    from ddtree_testkit import offline_models
 
     return str(offline_models.smollm2_dir()), str(offline_models.trained_smollm2_drafter_dir())
 
@@ -192,7 +192,7 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     load_format = "auto"
     if args.shape:
-        from vllm_ddtree import offline_models
+        from ddtree_testkit import offline_models
 
         model = str(offline_models.shaped_target_dir(args.shape))
         # vLLM's DFlash drafter does not run on dummy weights (its fused context-KV buffers come from

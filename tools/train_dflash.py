@@ -83,7 +83,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_ddtree import offline_models as om  # noqa: E402
+from ddtree_testkit import offline_models as om  # noqa: E402
 
 DATA_FORMAT_VERSION = 1
 STATE_VERSION = 1

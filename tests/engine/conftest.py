@@ -2,7 +2,7 @@
 
 # --- offline models (owner: offline_models) ---------------------------------------------------------------------
 Session-scoped paths to the offline model directories (built on first use in the model cache,
-``$VLLM_DDTREE_CACHE`` or ``<repo>/.cache/models``; `python -m vllm_ddtree.offline_models fetch-all` pre-builds
+``$VLLM_DDTREE_CACHE`` or ``<repo>/.cache/models``; `python -m ddtree_testkit.offline_models fetch-all` pre-builds
 them). Other sections may be added below.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ddtree import offline_models
+from ddtree_testkit import offline_models
 
 
 @pytest.fixture(scope="session")

@@ -151,7 +151,7 @@ def main() -> None:
         sync_audit.install(audit_file)
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.offline_models import hybrid_engine_args
+    from ddtree_testkit.offline_models import hybrid_engine_args
 
     llm = LLM(
         model=args["model"],

@@ -1,4 +1,4 @@
-"""Tests for vllm_ddtree.offline_models: configs as vLLM 0.26.0 expects them, the cache (reuse, atomic builds),
+"""Tests for ddtree_testkit.offline_models: configs as vLLM 0.26.0 expects them, the cache (reuse, atomic builds),
 non-degenerate tiny targets, and one end-to-end DFlash run on the CPU engine (greedy == no-spec, fp32).
 
 Run: .venv/bin/python -m pytest tests/engine/test_offline_models.py -q
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_ddtree import offline_models as om  # noqa: E402
+from ddtree_testkit import offline_models as om  # noqa: E402
 
 # algorithm.md §1.1 (z-lab build_target_layer_ids, n=5).
 LAYER_ID_TABLE = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine_run import run_engine
 from transformers import AutoTokenizer
 
-from vllm_ddtree import offline_models as om
+from ddtree_testkit import offline_models as om
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",

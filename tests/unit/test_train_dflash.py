@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ddtree import offline_models as om
+from ddtree_testkit import offline_models as om
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("train_dflash", REPO / "tools" / "train_dflash.py")

@@ -11,5 +11,5 @@ them at the tree versions and lays each accepted path out afterwards.
 - ``reference``: float64 references of all of it.
 
 vLLM's CPU engine runs GDN layers in bfloat16 with ``mamba_ssm_cache_dtype="float32"``;
-``offline_models.tiny_target_dir("qwen3_next")`` is a random tiny target for it (tests/engine).
+``ddtree_testkit.offline_models.tiny_target_dir("qwen3_next")`` is a random tiny target for it (tests/engine).
 """

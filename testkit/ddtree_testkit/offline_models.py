@@ -18,7 +18,7 @@ serialized with a file lock.
 
 Library::
 
-    from vllm_ddtree import offline_models as om
+    from ddtree_testkit import offline_models as om
     om.smollm2_dir()                                    # Path
     om.tiny_target_dir("llama")                         # or "qwen3"
     om.random_dflash_dir(om.tiny_target_dir("llama"), block_size=8, num_layers=1, seed=0)
@@ -26,11 +26,11 @@ Library::
 
 CLI::
 
-    python -m vllm_ddtree.offline_models fetch-all
-    python -m vllm_ddtree.offline_models smollm2
-    python -m vllm_ddtree.offline_models tiny-target --arch qwen3
-    python -m vllm_ddtree.offline_models random-dflash --target tiny-llama --block-size 16 --num-layers 2
-    python -m vllm_ddtree.offline_models list
+    python -m ddtree_testkit.offline_models fetch-all
+    python -m ddtree_testkit.offline_models smollm2
+    python -m ddtree_testkit.offline_models tiny-target --arch qwen3
+    python -m ddtree_testkit.offline_models random-dflash --target tiny-llama --block-size 16 --num-layers 2
+    python -m ddtree_testkit.offline_models list
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("vllm_ddtree.offline_models")
+logger = logging.getLogger("ddtree_testkit.offline_models")
 
 # Bump when a recipe's output changes; stale directories are then rebuilt.
 RECIPE_VERSION = 1
@@ -120,7 +120,7 @@ def hybrid_engine_args() -> dict:
 # Cache plumbing
 # --------------------------------------------------------------------------------------------------------------
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 TRAINED_SMOLLM2_DRAFTER = "fixtures/dflash-smollm2-135m-b16-l3"
@@ -844,7 +844,7 @@ def fetch_all(cache: str | os.PathLike | None = None) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_ddtree.offline_models", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ddtree_testkit.offline_models", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", default=None, help="cache dir (default $VLLM_DDTREE_CACHE or <repo>/.cache/models)")
     ap.add_argument("-q", "--quiet", action="store_true")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ddtree_testkit.offline_models import hybrid_engine_args
 from vllm_ddtree import step_timing
-from vllm_ddtree.config import HYBRID_GPU_ENV, MRV2_ENV
+from vllm_ddtree.config import HYBRID_GPU_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
@@ -96,6 +96,8 @@ def worker(args: dict) -> dict:
             elapsed += time.perf_counter() - start
         after = _spec_counters(llm)
         drafts, accepted = after[0] - before[0], after[1] - before[1]
+        if args.get("profile_dir"):
+            _profile_pass(llm, groups[0], params, args)
         per_pos = [a - b for a, b in zip(after[2], before[2])] if before[2] else after[2]
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rows.append({
@@ -107,6 +109,20 @@ def worker(args: dict) -> dict:
         })
     return {"rows": rows, "async_scheduling": bool(engine_config.scheduler_config.async_scheduling),
             "model_runner": "V2" if engine_config.use_v2_model_runner else "V1"}
+
+
+def _profile_pass(llm, prompts, params, args) -> None:
+    """One more pass under the torch profiler (not timed): per-kernel device time, for kernel_profile.py."""
+    import kernel_profile
+
+    before = _spec_counters(llm)[0]
+    with kernel_profile.Profiler() as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    drafts = _spec_counters(llm)[0] - before
+    steps = round(drafts / len(prompts)) if drafts else args["max_tokens"]  # requests step in lockstep here
+    out = Path(args["profile_dir"]) / f"{_slug(args['config'])}.b{len(prompts)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": args["config"], "batch": len(prompts), **prof.result(steps)}))
 
 
 def _spec_counters(llm) -> tuple[int, int, list[int]]:
@@ -158,17 +174,14 @@ def main() -> None:
                         "what DDTree runs on (V1 runner, TRITON_ATTN): separates kernel rounding from DDTree itself")
     parser.add_argument("--step-timing", action="store_true", help="DDTree configurations report where a step's time "
                         "goes (vllm_ddtree/step_timing.py), over all their batch sizes: give one batch size")
-    parser.add_argument("--tree-kernel-ab", action="store_true", help="also run the first budget with the tree "
-                        "attention kernel outside CUDA graphs (VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0), to see what "
-                        "capturing it is worth")
     parser.add_argument("--async-ab", action="store_true", help="also run every budget with async scheduling "
                         "(--async-scheduling; vLLM turns it on for the chain on GPU and off for ddtree by default)")
     parser.add_argument("--budget-schedule", type=json.loads, default=None, help="also run 'ddtree adaptive': the "
                         "adaptive budget, as vLLM's num_speculative_tokens_per_batch_size, e.g. "
                         "'[[1, 4, 64], [5, 16, 32], [17, 256, 16]]' (bench_ddtree.py prints one from its measurements)")
-    parser.add_argument("--mrv2", action="store_true", help="also run every budget on Model Runner V2 "
-                        "(VLLM_DDTREE_MRV2=1, experimental) as 'ddtree B=<b> MRV2'; with --same-backend-baselines "
-                        "also no-spec and the chain on MRV2 with TRITON_ATTN ('... MRV2+tri')")
+    parser.add_argument("--v1", action="store_true", help="also run every budget on the V1 model runner "
+                        "(VLLM_USE_V2_MODEL_RUNNER=0) as 'ddtree B=<b> V1'; on GPU ddtree runs on Model Runner V2 "
+                        "where vLLM does (dense targets)")
     parser.add_argument("--tree-capture-size", type=int, default=None, help="ddtree engines capture CUDA graphs up "
                         "to this many tokens (vLLM's default stops at 512; batch x (1 + B) above it runs without)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -181,6 +194,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 on GPU; on CPU a "
                         "fixed 512 MiB KV cache")
     parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--profile-dir", default=None, help="after each timed pass, profile one more pass per batch "
+                        "size (torch profiler, engine in-process) and write per-kernel device time there "
+                        "(benchmarks/kernel_profile.py compares the configurations)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -212,9 +228,6 @@ def main() -> None:
     if args.same_backend_baselines and on_gpu:
         same = {"VLLM_USE_V2_MODEL_RUNNER": "0", "BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
         configs += [("no-spec V1+tri", None, same), ("dflash V1+tri", chain_spec, same)]
-        if args.mrv2:
-            same_v2 = {"BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
-            configs += [("no-spec MRV2+tri", None, same_v2), ("dflash MRV2+tri", chain_spec, same_v2)]
     tree_env = {"BENCH_MAX_CAPTURE_SIZE": str(args.tree_capture_size)} if args.tree_capture_size else {}
     trees = [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
               tree_env) for b in args.budgets]
@@ -224,13 +237,10 @@ def main() -> None:
         configs.append(("ddtree adaptive", {"method": "ddtree", "model": drafter, "num_speculative_tokens": largest,
                                             "num_speculative_tokens_per_batch_size": args.budget_schedule,
                                             **drafter_load}, tree_env))
-    if args.tree_kernel_ab:
-        name, spec, _ = trees[0]
-        configs.append((f"{name} kernel-eager", spec, {**tree_env, "VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS": "0"}))
     if args.async_ab:
         configs += [(f"{name} async", spec, {**tree_env, "BENCH_ASYNC_SCHEDULING": "1"}) for name, spec, _ in trees]
-    if args.mrv2:
-        configs += [(f"{name} MRV2", spec, {**tree_env, MRV2_ENV: "1"}) for name, spec, _ in trees]
+    if args.v1:
+        configs += [(f"{name} V1", spec, {**tree_env, "VLLM_USE_V2_MODEL_RUNNER": "0"}) for name, spec, _ in trees]
     if args.configs:
         wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
         configs = [c for c in configs if c[0] in wanted]
@@ -253,7 +263,10 @@ def main() -> None:
             "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape}
     results: dict[str, dict | None] = {}
     for name, spec, env in configs:
-        cmd = [sys.executable, __file__, "--worker", json.dumps({**base, "spec": spec})]
+        cmd = [sys.executable, __file__, "--worker",
+               json.dumps({**base, "spec": spec, "config": name, "profile_dir": args.profile_dir})]
+        if args.profile_dir:  # the engine core in the worker's process, where the profiler runs
+            env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         timing_dir = None
         if args.step_timing and spec and spec["method"] == "ddtree":
             timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
@@ -325,7 +338,7 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
             })
             # the same-backend no-spec on this row's runner (DDTree's kernels and rounding, vLLM's own decode)
-            same = results.get("no-spec MRV2+tri" if res.get("model_runner") == "V2" else "no-spec V1+tri")
+            same = results.get("no-spec V1+tri") if res.get("model_runner") == "V1" else None
             if same:
                 table[-1]["outputs_differing_from_same_backend_no_spec"] = sum(
                     a != b for a, b in zip(row["token_ids"], same["rows"][i]["token_ids"]))

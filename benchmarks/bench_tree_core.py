@@ -238,6 +238,38 @@ def setup_attention(case: Case) -> Step:
     return lambda: _run_attention(x, case.device)
 
 
+def _fa_inputs(case: Case) -> dict:
+    """The same shapes as ``_attn_inputs`` in FLASH_ATTN's cache layout (separate K and V [nb, bs, Hkv, D])."""
+    x = _attn_inputs(case)
+    return dict(x, k=x["k"].contiguous(), v=x["v"].contiguous(), n=case.budget + 1)
+
+
+def _flash(x: dict, *, causal: bool, prefix_only: bool):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    seqused = x["seq_lens"] - x["n"] if prefix_only else x["seq_lens"]
+    return flash_attn_varlen_func(
+        q=x["q"], k=x["k"], v=x["v"], out=x["out"], cu_seqlens_q=x["qsl"], max_seqlen_q=x["n"],
+        seqused_k=seqused, max_seqlen_k=x["ctx"] + x["n"], softmax_scale=ATTN_D**-0.5, causal=causal,
+        block_table=x["block_table"], return_softmax_lse=prefix_only, fa_version=3)
+
+
+@register("attention_fa3")
+def setup_attention_fa3(case: Case) -> Step:
+    """vLLM's FlashAttention 3, causal, on the same batch x (B+1) queries: what a chain verify of B+1 tokens pays
+    for attention (the bar for the tree kernel)."""
+    x = _fa_inputs(case)
+    return lambda: _flash(x, causal=True, prefix_only=False)
+
+
+@register("attention_fa3_prefix")
+def setup_attention_fa3_prefix(case: Case) -> Step:
+    """FlashAttention 3 over the committed prefix only (no mask, with the log-sum-exp): the prefix half of a
+    tree attention split into prefix + tree block, merged by log-sum-exp."""
+    x = _fa_inputs(case)
+    return lambda: _flash(x, causal=False, prefix_only=True)
+
+
 def _compact_inputs(case: Case) -> tuple:
     """COMPACT_LAYERS packed K|V layer caches and accepted paths of length ~depth/2 (every node moves)."""
     x = _attn_inputs(case)
@@ -375,6 +407,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--depth", type=int, default=15)
     parser.add_argument("--vocab", type=int, default=None, help="default 151936 on GPU (Qwen3), 2048 on CPU")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--context", type=int, default=ATTN_CTX, help="attention benchmarks: committed prefix tokens")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--graph", action="store_true", help="also time CUDA-graph replays")
@@ -383,6 +416,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
 
     on_gpu = args.device.startswith("cuda")
+    global ATTN_CTX
+    ATTN_CTX = args.context
     names = sorted(BENCHMARKS) if args.what == "all" else args.what.split(",")
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

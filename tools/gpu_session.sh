@@ -97,6 +97,29 @@ phase_tax() {
   tail -40 "$RESULTS/tax.log"
 }
 
+phase_profile() {
+  # Issue 19's kernel-level profile: per-kernel device time per decode step inside CUDA graphs (torch profiler,
+  # engine in-process), the chain against DDTree, on a Qwen3-8B-shaped random target (nothing accepted), then the
+  # comparison table (benchmarks/kernel_profile.py). PROFILE_RUNS: "configs|budgets|batches|capture" groups.
+  # Attention micro-benchmarks first: our tree kernel against FlashAttention 3 at verify shapes.
+  timeout 120 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_prefix \
+    --batches 1,8 --budgets 16,64 --graph --context "${PROFILE_CONTEXT:-1024}" --out "$RESULTS/attention_core.json" \
+    > "$RESULTS/attention_core.log" 2>&1
+  tail -14 "$RESULTS/attention_core.log"
+  local run configs budgets batches capture
+  for run in ${PROFILE_RUNS:-"dflash,ddtree_B=16_MRV2|16|1_8|136" "ddtree_B=64_MRV2|64|1|65"}; do
+    IFS='|' read -r configs budgets batches capture <<< "$run"
+    timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" --mrv2 \
+      --budgets ${budgets//_/ } --batch-sizes ${batches//_/ } --max-tokens 48 --num-prompts 8 \
+      --tree-capture-size "$capture" --configs "${configs//_/ }" --profile-dir "$RESULTS/profile" \
+      --out "$RESULTS/profile_e2e_${budgets}.json" > "$RESULTS/profile_e2e_${budgets}.log" 2>&1
+    tail -8 "$RESULTS/profile_e2e_${budgets}.log"
+  done
+  python3 benchmarks/kernel_profile.py "$RESULTS/profile" --out "$RESULTS/profile_compare.json" \
+    > "$RESULTS/profile_compare.log" 2>&1
+  head -c 9000 "$RESULTS/profile_compare.log"
+}
+
 run_equality_tests() {
   # The no-spec reference on DDTree's runner and attention backend, every Triton dot in IEEE float32 (Triton's
   # default for float32 is TF32, which vLLM's attention kernel would use and ours does not): a difference is then

@@ -19,17 +19,15 @@ fixes ``tree_depth`` (at most the budget) and leaves ``num_speculative_tokens = 
 reservation by it (scheduler lookahead slots and async placeholders, the drafter-fits check, Model Runner V2's
 ``draft_tokens`` and decode query of ``1 + B``), and a tree fills exactly B drafts.
 
-Model Runner V2 (experimental, ``VLLM_DDTREE_MRV2=1``): patch 0001 asks ``mrv2_gaps`` which parts of a configuration
-the MRV2 port does not cover; any gap keeps the engine on the V1 runner, as does an unset ``VLLM_DDTREE_MRV2``.
+Runners: patch 0001 asks ``mrv2_gaps`` which parts of a configuration ddtree does not cover on Model Runner V2, vLLM's
+default runner for dense CUDA targets; any gap keeps the engine on the V1 runner, as do the targets vLLM itself runs
+there (hybrid models) and the CPU engine. ``describe_runner`` is the start-up line that says which and why.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
-
-# Opt-in for DDTree on Model Runner V2 (docs/model-runner-v2.md); unset, ddtree always runs on the V1 runner.
-MRV2_ENV = "VLLM_DDTREE_MRV2"
 
 DEFAULT_TREE_BUDGET = 64
 # vLLM's scheduler, runner buffers and the output contract are sized by num_speculative_tokens; 128 is vLLM's own
@@ -192,20 +190,12 @@ def check_async_scheduling(spec: Any) -> None:
         )
 
 
-def mrv2_enabled() -> bool:
-    """Whether the user opted in to DDTree on Model Runner V2 (``VLLM_DDTREE_MRV2=1``)."""
-    return os.environ.get(MRV2_ENV, "0") == "1"
-
-
 def mrv2_gaps(vllm_config: Any) -> list[str]:
-    """What of this ddtree configuration Model Runner V2 cannot run yet; vLLM then uses the V1 runner.
+    """What of this ddtree configuration Model Runner V2 cannot run; vLLM then uses the V1 runner.
 
     Called from ``VllmConfig._get_v2_model_runner_unsupported_features`` (patch 0001), i.e. from inside
-    ``use_v2_model_runner``: it must not read that property. Without ``VLLM_DDTREE_MRV2=1`` the whole method is a
-    gap, named as on the V1-only releases, so the engine falls back exactly as before.
+    ``use_v2_model_runner``: it must not read that property.
     """
-    if not mrv2_enabled():
-        return ["ddtree speculative decoding"]
     gaps = []
     model_config = vllm_config.model_config
     if model_config is not None and (
@@ -218,8 +208,6 @@ def mrv2_gaps(vllm_config: Any) -> list[str]:
         gaps.append("ddtree with data parallelism (untested on Model Runner V2)")
     if parallel.pipeline_parallel_size > 1:
         gaps.append("ddtree with pipeline parallelism")
-    if getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None):
-        gaps.append("ddtree with num_speculative_tokens_per_batch_size (adaptive budget: V1 runner only)")
     if getattr(vllm_config.speculative_config, "use_local_argmax_reduction", False):
         gaps.append("ddtree with use_local_argmax_reduction (the tree build needs the full draft logits)")
     from vllm.platforms import current_platform
@@ -231,7 +219,26 @@ def mrv2_gaps(vllm_config: Any) -> list[str]:
 
 def runs_on_mrv2(vllm_config: Any) -> bool:
     """Whether this ddtree engine runs on Model Runner V2 (then async scheduling works as for the DFlash chain)."""
-    return mrv2_enabled() and vllm_config.use_v2_model_runner
+    return vllm_config.use_v2_model_runner
+
+
+def describe_runner(vllm_config: Any, on_mrv2: bool) -> str:
+    """The start-up line saying which model runner ddtree runs on, and why."""
+    if on_mrv2:
+        return "ddtree runs on Model Runner V2 (vLLM's default runner for this target)"
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        why = "the CPU engine has only this runner"
+    elif os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        why = "VLLM_USE_V2_MODEL_RUNNER=0"
+    elif getattr(vllm_config.model_config, "is_hybrid", False):
+        why = "vLLM runs hybrid (recurrent-state) targets, and their DFlash chain, on it"
+    elif gaps := mrv2_gaps(vllm_config):
+        why = "Model Runner V2 does not cover " + "; ".join(gaps)
+    else:
+        why = "vLLM chose it for this target"
+    return f"ddtree runs on the V1 model runner: {why}"
 
 
 def _refuse_drafter_for_another_target(spec: Any, hf_config: Any) -> None:

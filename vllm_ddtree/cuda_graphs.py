@@ -8,7 +8,8 @@ The captured function must read and write only tensors at fixed addresses (the c
 static buffers first) and must handle ``rows`` rows, where rows past the live batch hold stale but valid data whose
 results nobody reads. Buckets are powers of two up to ``max_rows``; larger batches run eagerly (there the launch
 cost is amortised: build 3.2 ms eager vs 3.3 ms replayed at 64 rows). On CPU, while another graph is being
-captured (vLLM's capture runs), or with VLLM_DDTREE_CUDA_GRAPHS=0, the function simply runs eagerly.
+captured (vLLM's capture runs), or when the engine runs eagerly (``enforce_eager``), the function simply runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-GRAPHS_ENV = "VLLM_DDTREE_CUDA_GRAPHS"
 
-
-def graphs_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0"
+def graphs_enabled(vllm_config, device: torch.device) -> bool:
+    """DDTree's own graphs follow the engine's: on CUDA unless ``enforce_eager``."""
+    return device.type == "cuda" and not vllm_config.model_config.enforce_eager
 
 
 def row_bucket(rows: int) -> int:
@@ -39,13 +39,15 @@ def largest_bucket(max_reqs: int, cap: int = 8) -> int:
 class GraphedStep:
     """Calls ``fn(rows)`` through a CUDA graph captured for ``row_bucket(rows)`` on first use."""
 
-    def __init__(self, fn: Callable[[int], None], max_rows: int, device: torch.device, idempotent: bool = True):
+    def __init__(self, fn: Callable[[int], None], max_rows: int, device: torch.device, idempotent: bool = True,
+                 enabled: bool = True):
         """``idempotent=False`` for a function that updates its buffers in place (running it twice is not running
-        it once): the call that captures a bucket then keeps the warm-up run's result instead of replaying."""
+        it once): the call that captures a bucket then keeps the warm-up run's result instead of replaying.
+        ``enabled``: ``graphs_enabled(vllm_config, device)``; off CUDA the function always runs eagerly."""
         self.fn = fn
         self.idempotent = idempotent
         self.max_rows = max_rows
-        self.enabled = graphs_enabled(device)
+        self.enabled = enabled and device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # one memory pool for all buckets: they never run concurrently
 

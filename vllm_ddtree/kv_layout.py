@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.attention.backend import TreeCPUAttentionImpl, TreeTritonAttentionImpl
+from vllm_ddtree.attention.backend import TreeCPUAttentionImpl, TreeRowsMixin
 from vllm_ddtree.attention.torch_tree import cpu_attn_kv_views
 from vllm_ddtree.kv_compact import KVCompactor, kv_compact_torch
 
@@ -44,16 +44,16 @@ class TargetKVCompaction:
             if isinstance(impl, TreeCPUAttentionImpl):
                 views.extend(cpu_attn_kv_views(layer.kv_cache))
                 kinds.add("cpu")
-            elif isinstance(impl, TreeTritonAttentionImpl):
+            elif isinstance(impl, TreeRowsMixin):  # FLASH_ATTN / TRITON_ATTN: [blocks, Hkv, block_size, 2D] logical
                 views.append(layer.kv_cache.transpose(1, 2))  # K and V packed in the last dim: one row moves both
-                kinds.add("triton")
+                kinds.add("gpu")
             else:
                 raise NotImplementedError(
                     f"ddtree needs the target on its tree attention backends; layer {name} uses "
-                    f"{type(impl).__name__} (on GPU pass --attention-backend TRITON_ATTN)"
+                    f"{type(impl).__name__} (on GPU pass --attention-backend FLASH_ATTN)"
                 )
         self.views = views
-        self.kernel = KVCompactor(views) if kinds == {"triton"} else None
+        self.kernel = KVCompactor(views) if kinds == {"gpu"} else None
 
     def __call__(self, block_table: torch.Tensor, ctx_lens: torch.Tensor, accepted: torch.Tensor) -> None:
         """``block_table [>= R, max_blocks]`` of group ``self.group`` in batch order, ``ctx_lens [R]`` (the roots'

@@ -1,7 +1,8 @@
-"""Tree-walk sampler: pick one target token per tree node, then follow the tree from the root (algorithm.md §3).
+"""Tree-walk sampler: pick one target token per tree node, then follow the tree from the root (docs/algorithm.md §3).
 
 Greedy rows take the argmax at every node; sampled rows take one independent draw per node from the target's
-processed distribution (temperature, min-p, top-k, top-p, as vLLM's Sampler applies them). Either way a node is
+processed distribution (temperature, top-k, top-p, as vLLM's V1 Sampler applies them; min-p and logit bias are
+refused by vLLM for every speculative method). Either way a node is
 accepted iff its token equals the token drawn at its parent and its parent is accepted; the bonus is the token
 drawn at the deepest accepted node. Every emitted token is therefore an exact draw from the target given the
 emitted prefix, so sampling is lossless at any temperature. (``min(1, p/q)`` rejection would be wrong here:
@@ -121,13 +122,6 @@ def _vllm_sampling_ops():
     return top_k_top_p, random_sample
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """vLLM's MinPLogitsProcessor.apply with a per-row min_p [rows]: drop tokens below min_p * max prob."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill_(probs < threshold, float("-inf"))
-
-
 def sample_node_tokens(
     target_logits: torch.Tensor,
     *,
@@ -136,14 +130,13 @@ def sample_node_tokens(
     temperature: torch.Tensor | None = None,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
-    min_p: torch.Tensor | None = None,
     generators: dict[int, torch.Generator] | None = None,
     use_fp64_gumbel: bool = False,
 ) -> torch.Tensor:
     """One target token per node [R, N] int64 from logits [R, N, V]; per-request parameters are [R].
 
     Mirrors vLLM's Sampler.sample row for row: greedy rows (temperature < 1e-5) take the argmax; the rest divide
-    by temperature, apply min-p, then top-k/top-p, and draw with exponential noise, request r's noise for all of
+    by temperature, apply top-k/top-p, and draw with exponential noise, request r's noise for all of
     its N nodes coming from ``generators[r]`` when it has one (so seeded requests reproduce). ``all_greedy`` /
     ``all_random`` are vLLM's batch flags and only skip work. target_logits is not modified.
     """
@@ -164,85 +157,9 @@ def sample_node_tokens(
     temp = temperature[:rows]
     divisor = temp if all_random else torch.where(temp < SAMPLING_EPS, 1.0, temp)
     logits = flat.to(torch.float32) / per_node(divisor)[:, None]  # a fresh buffer: the caller's stays intact
-    if min_p is not None:
-        logits = apply_min_p(logits, per_node(min_p))
     logits = top_k_top_p(logits, per_node(top_k), per_node(top_p))
     probs = logits.softmax(dim=-1, dtype=torch.float32)
     sampled = random_sample(probs.view(rows, width, vocab), generators or {}, use_fp64_gumbel).view(rows, width)
     if greedy is None:
         return sampled
     return torch.where(temp[:, None] < SAMPLING_EPS, greedy.view(rows, width), sampled)
-
-
-def tree_sample(
-    target_logits: torch.Tensor,
-    tree: TreeBatch,
-    max_depth: int,
-    *,
-    all_greedy: bool,
-    all_random: bool = False,
-    temperature: torch.Tensor | None = None,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    min_p: torch.Tensor | None = None,
-    generators: dict[int, torch.Generator] | None = None,
-    out: TreeWalkOutput | None = None,
-) -> TreeWalkOutput:
-    """Draw at every node, then walk. target_logits: [R, B+1, V], or [R*(B+1), V] (request-major, node order).
-
-    Row r of the logits is node i of request r's tree evaluated by the target (its conditional given the
-    node's ancestor path). All requests are padded to B+1 rows so shapes never depend on tree sizes.
-    """
-    width = tree.budget + 1
-    if target_logits.dim() == 2:
-        target_logits = target_logits.reshape(-1, width, target_logits.shape[-1])
-    node_tokens = sample_node_tokens(
-        target_logits,
-        all_greedy=all_greedy,
-        all_random=all_random,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        generators=generators,
-    )
-    return walk_tree(node_tokens, tree, max_depth, out)
-
-
-def tree_sample_from_metadata(
-    target_logits: torch.Tensor,
-    tree: TreeBatch,
-    max_depth: int,
-    sampling_metadata,
-    out: TreeWalkOutput | None = None,
-) -> TreeWalkOutput:
-    """``tree_sample`` driven by vLLM's SamplingMetadata (the entry point for the model-runner integration).
-
-    Applied: allowed_token_ids_mask, temperature, min-p (from the built-in MinPLogitsProcessor), top-k, top-p,
-    generators, all_greedy/all_random. Not applied: penalties, bad words and other logits processors (they
-    depend on each node's path or on batch-shaped state); the integration must refuse or apply them upstream.
-    """
-    rows = target_logits.shape[0] if target_logits.dim() == 3 else target_logits.shape[0] // (tree.budget + 1)
-    if sampling_metadata.allowed_token_ids_mask is not None:
-        mask = sampling_metadata.allowed_token_ids_mask[:rows]
-        target_logits = target_logits.reshape(rows, tree.budget + 1, -1).masked_fill(mask[:, None, :], float("-inf"))
-    min_p = None
-    if not sampling_metadata.all_greedy:
-        from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-
-        for processor in sampling_metadata.logitsprocs.argmax_invariant:
-            if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
-                min_p = processor.min_p.view(-1)
-    return tree_sample(
-        target_logits,
-        tree,
-        max_depth,
-        all_greedy=sampling_metadata.all_greedy,
-        all_random=sampling_metadata.all_random,
-        temperature=sampling_metadata.temperature,
-        top_k=sampling_metadata.top_k,
-        top_p=sampling_metadata.top_p,
-        min_p=min_p,
-        generators=sampling_metadata.generators,
-        out=out,
-    )

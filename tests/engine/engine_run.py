@@ -79,38 +79,38 @@ def _failure_excerpt(stdout: str, stderr: str) -> str:
 
 
 def install_oracle(reference: dict[tuple[int, ...], list[int]], p_first: float, p_second: float, seed: int):
-    """Make DDTreeProposer draft from the reference continuations (keyed by prompt token ids)."""
+    """Make DDTreeProposer draft from the reference continuations (keyed by prompt token ids), through its
+    ``draft_logits_hook`` seam: the drafter, the tree build and the hand-over run as in production; only the draft
+    logits are replaced. At each depth the right token gets the first or second best logit (or neither), beside a
+    random decoy."""
     import torch
 
-    from vllm_ddtree import proposer as proposer_module
-    from vllm_ddtree.tree.build import build_tree
+    from vllm_ddtree.v1.proposer import DDTreeProposer
 
     rng = torch.Generator().manual_seed(seed)
 
-    def oracle_sample_draft_tokens(self, hidden_states, sampling_metadata):
-        logits = self.model.compute_logits(hidden_states)
-        depth = self.tree_depth
-        num_reqs = logits.shape[0] // depth
-        logits = torch.randn(logits.shape, generator=rng).view(num_reqs, depth, -1)
-        roots = self.positions[: num_reqs * (1 + depth)].view(num_reqs, 1 + depth)[:, 0].tolist()
-        for r, req_id in enumerate(self.runner.input_batch.req_ids[:num_reqs]):
-            prompt = tuple(self.runner.requests[req_id].prompt_token_ids)
+    def oracle_logits(proposer, logits: torch.Tensor) -> torch.Tensor:
+        num_reqs, depth, vocab = logits.shape
+        device = logits.device
+        logits = torch.randn(logits.shape, generator=rng)
+        roots = proposer.positions[: num_reqs * (1 + depth)].view(num_reqs, 1 + depth)[:, 0].tolist()
+        for r, req_id in enumerate(proposer.runner.input_batch.req_ids[:num_reqs]):
+            prompt = tuple(proposer.runner.requests[req_id].prompt_token_ids)
             sequence = list(prompt) + reference[prompt]
             for i in range(depth):
                 pos = roots[r] + 1 + i
                 if pos >= len(sequence):
                     break
                 u = torch.rand((), generator=rng).item()
-                decoy = int(torch.randint(logits.shape[-1], (), generator=rng))
+                decoy = int(torch.randint(vocab, (), generator=rng))
                 logits[r, i, decoy] += 9.0
                 if u < p_first:
                     logits[r, i, sequence[pos]] += 10.0
                 elif u < p_first + p_second:
                     logits[r, i, sequence[pos]] += 8.0
-        build_tree(logits, self.tree_budget, self.draft_trees, self._root_token_ids)
-        return self._placeholder_drafts[: num_reqs * depth], None
+        return logits.to(device)
 
-    proposer_module.DDTreeProposer._sample_draft_tokens = oracle_sample_draft_tokens
+    DDTreeProposer.draft_logits_hook = oracle_logits
 
 
 def abort_run(llm, prompts, params, steps: int) -> dict:

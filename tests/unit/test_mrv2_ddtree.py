@@ -52,7 +52,7 @@ class _NoRunnerQuestion:
 
 def mrv2_vllm_config(**changes) -> SimpleNamespace:
     config = SimpleNamespace(
-        model_config=SimpleNamespace(uses_mrope=False, is_multimodal_model=False),
+        model_config=SimpleNamespace(uses_mrope=False, is_multimodal_model=False, is_hybrid=False),
         parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
         speculative_config=SimpleNamespace(use_local_argmax_reduction=False, tree_budget=64),
     )
@@ -67,18 +67,11 @@ def on_cuda(monkeypatch):
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
 
 
-def test_without_opt_in_ddtree_stays_a_v1_only_method(monkeypatch):
-    monkeypatch.delenv(ddtree_config.MRV2_ENV, raising=False)
-    assert ddtree_config.mrv2_gaps(_NoRunnerQuestion()) == ["ddtree speculative decoding"]
-    assert ddtree_config.runs_on_mrv2(_NoRunnerQuestion()) is False
-    monkeypatch.setenv(ddtree_config.MRV2_ENV, "0")
-    assert ddtree_config.mrv2_gaps(_NoRunnerQuestion()) == ["ddtree speculative decoding"]
-
-
-def test_opt_in_on_cuda_has_no_gaps(monkeypatch, on_cuda):
-    monkeypatch.setenv(ddtree_config.MRV2_ENV, "1")
+def test_on_cuda_model_runner_v2_has_no_gaps(on_cuda):
     assert ddtree_config.mrv2_gaps(mrv2_vllm_config()) == []
     assert ddtree_config.runs_on_mrv2(SimpleNamespace(use_v2_model_runner=True)) is True
     assert ddtree_config.runs_on_mrv2(SimpleNamespace(use_v2_model_runner=False)) is False
@@ -94,18 +87,26 @@ def test_opt_in_on_cuda_has_no_gaps(monkeypatch, on_cuda):
         ({"speculative_config__use_local_argmax_reduction": True}, "use_local_argmax_reduction"),
     ],
 )
-def test_opt_in_gaps_fall_back_to_v1(monkeypatch, on_cuda, change, gap):
-    monkeypatch.setenv(ddtree_config.MRV2_ENV, "1")
-    gaps = ddtree_config.mrv2_gaps(mrv2_vllm_config(**change))
+def test_gaps_fall_back_to_v1_and_the_start_up_line_names_them(on_cuda, change, gap):
+    config = mrv2_vllm_config(**change)
+    gaps = ddtree_config.mrv2_gaps(config)
     assert len(gaps) == 1 and gap in gaps[0]
+    assert gap in ddtree_config.describe_runner(config, on_mrv2=False)
 
 
-def test_opt_in_off_cuda_is_a_gap(monkeypatch):
+def test_off_cuda_is_a_gap(monkeypatch):
     from vllm.platforms import current_platform
 
-    monkeypatch.setenv(ddtree_config.MRV2_ENV, "1")
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
     assert ddtree_config.mrv2_gaps(mrv2_vllm_config()) == ["ddtree off CUDA GPUs"]
+
+
+def test_start_up_line_says_which_runner_and_why(on_cuda, monkeypatch):
+    assert "Model Runner V2" in ddtree_config.describe_runner(mrv2_vllm_config(), on_mrv2=True)
+    hybrid = mrv2_vllm_config(model_config__is_hybrid=True)
+    assert "hybrid" in ddtree_config.describe_runner(hybrid, on_mrv2=False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in ddtree_config.describe_runner(mrv2_vllm_config(), on_mrv2=False)
 
 
 # ----------------------------------------------------------------------------- patch 0004 (design §2 table)
@@ -164,21 +165,23 @@ def test_patch_0004_hooks_sit_where_the_design_needs_them():
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_ddtree import verify_step  # noqa: E402
 from vllm_ddtree.kv_compact import kv_compact_torch  # noqa: E402
 from vllm_ddtree.tree.build import build_tree  # noqa: E402
 from vllm_ddtree.tree.layout import TreeBatch  # noqa: E402
-from vllm_ddtree.verify_layout import chain_order  # noqa: E402
+from vllm_ddtree.tree_handover import TreeHandover  # noqa: E402
+from vllm_ddtree.verify_core import TreeVerifyCore  # noqa: E402
+from vllm_ddtree.verify_rows import TREE_FIELDS  # noqa: E402
 
 MAX_REQS, BUDGET, DEPTH, VOCAB = 8, 6, 3, 32
 MAX_TOKENS, KV_BLOCK, MAX_BLOCKS = 64, 4, 16
 PREFILL_LEN = 30
+EPOCH = 5  # the latest draft step's
 
 # Batch order (MRV2 sorts decodes first): (request slot, kind, scheduled drafts, num_computed s)
 REQUESTS = [
     (5, "tree", BUDGET, 20),  # fresh tree, all B drafts
     (2, "tree", 3, 11),  # fresh tree, drafts truncated by the scheduler (a prefix of the node list)
-    (0, "stale", BUDGET, 7),  # fed zeroed drafts (new/resumed request) while its slot holds an older tree
+    (0, "stale", BUDGET, 7),  # fed placeholder drafts (new/resumed request) while its slot holds an older tree
     (3, "nodraft", 0, 9),  # a decode without drafts
     (6, "prefill", 0, 0),  # a chunk of a longer prompt: samples nothing
 ]
@@ -224,7 +227,8 @@ class StubSampler:
 
 
 class FakeStep:
-    """Request state, trees and an InputBatch made by MRV2's own input kernels, as the runner makes them."""
+    """Request state, filed trees and an InputBatch made by MRV2's own input kernels, as the runner makes them;
+    ``speculator`` stands in for DDTreeSpeculator (its core and what the adapter methods read)."""
 
     def __init__(self, seed: int = 0):
         from vllm.v1.worker.gpu.input_batch import (
@@ -234,12 +238,13 @@ class FakeStep:
             prepare_pos_seq_lens,
         )
 
-        from vllm_ddtree.mrv2.verifier import MRV2TreeVerifier
-
         gen = torch.Generator().manual_seed(seed)
         self.gen = gen
-        self.req_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
-        self.verifier = MRV2TreeVerifier(self.req_trees, DEPTH, MAX_TOKENS, torch.device("cpu"))
+        self.handover = TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"))
+        self.handover.epoch.fill_(EPOCH)
+        self.req_trees = self.handover.trees
+        self.core = TreeVerifyCore(self.handover, DEPTH, MAX_REQS, MAX_TOKENS, torch.device("cpu"), cuda_graphs=False)
+        self.speculator = SimpleNamespace(core=self.core, block_tables=None, bind_kv_caches=None)
         self.last_sampled = torch.randint(1, VOCAB, (MAX_REQS,), generator=gen)
         self.num_computed = torch.zeros(MAX_REQS, dtype=torch.int32)
         self.prefill_len = torch.zeros(MAX_REQS, dtype=torch.int32)
@@ -249,11 +254,10 @@ class FakeStep:
             self.prefill_len[slot] = PREFILL_LEN if kind == "prefill" else 1
             if kind in ("tree", "stale"):
                 built = TreeBatch.allocate(1, BUDGET, "cpu")
-                root = self.last_sampled[slot : slot + 1] if kind == "tree" else (self.last_sampled[slot : slot + 1]
-                                                                                    + 1) % VOCAB
-                build_tree(_two_track_draft_logits(gen), BUDGET, built, root)
-                for name in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
+                build_tree(_two_track_draft_logits(gen), BUDGET, built, self.last_sampled[slot : slot + 1])
+                for name in (*TREE_FIELDS, "num_nodes"):
                     getattr(self.req_trees, name)[slot] = getattr(built, name)[0]
+                self.handover.stamp[slot] = EPOCH if kind == "tree" else EPOCH - 2
                 if kind == "tree":
                     self.draft_tokens[slot] = built.token_ids[0, 1:]
 
@@ -298,6 +302,13 @@ class FakeStep:
             cu_num_logits_np=cu_np,
         )
         self.linear_positions = self.batch.positions.clone()
+        self.filed = {name: getattr(self.req_trees, name).clone() for name in (*TREE_FIELDS, "num_nodes")}
+
+    def prepare(self):
+        from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
+
+        DDTreeSpeculator.prepare_verify(self.speculator, self.batch)  # the adapter, with a stand-in self
+        return self.core.step
 
     def root_row(self, r: int) -> int:
         return int(self.batch.query_start_loc_np[r + 1]) - (REQUESTS[r][2] + 1)
@@ -329,75 +340,101 @@ class FakeStep:
 
 def test_prepare_verify_writes_depth_positions_for_fresh_trees_only():
     step = FakeStep()
-    step.verifier.prepare(step.batch)
-    try:
-        batch, verifier = step.batch, step.verifier
-        assert verifier.tree_rows[: batch.num_reqs].tolist() == [0, 1, -1, -1, -1]
-        assert verifier.verify_trees.num_nodes[: batch.num_reqs].tolist() == [BUDGET, 3, 0, 0, 0]
-        for name in ("token_ids", "parents", "depths", "ancestor_bits"):
-            assert torch.equal(getattr(verifier.verify_trees, name)[: batch.num_reqs],
-                               getattr(step.req_trees, name)[batch.idx_mapping.long()])
-        expected = step.linear_positions.clone()
-        for r, (slot, kind, nd, s) in enumerate(REQUESTS):
-            if kind == "tree":
-                root = step.root_row(r)
-                for i in range(nd + 1):
-                    expected[root + i] = s + int(step.req_trees.depths[slot, i])
-        assert torch.equal(batch.positions, expected)
-        assert not torch.equal(expected, step.linear_positions)  # the test batch has real trees
-        current = verify_step.current()
-        assert current is not None and current.num_reqs == batch.num_reqs
-    finally:
-        verify_step.end()
+    verify = step.prepare()
+    batch, core = step.batch, step.core
+    assert verify is not None and verify.num_reqs == batch.num_reqs and core.attention.step is verify
+    assert core.tree_rows[: batch.num_reqs].tolist() == [0, 1, -1, -1, -1]
+    assert core.verify_trees.num_nodes[: batch.num_reqs].tolist() == [BUDGET, 3, 0, 0, 0]
+    for name in TREE_FIELDS:
+        assert torch.equal(getattr(core.verify_trees, name)[: batch.num_reqs],
+                           step.filed[name][batch.idx_mapping.long()])
+    expected = step.linear_positions.clone()
+    for r, (slot, kind, nd, s) in enumerate(REQUESTS):
+        if kind == "tree":
+            root = step.root_row(r)
+            for i in range(nd + 1):
+                expected[root + i] = s + int(step.req_trees.depths[slot, i])
+    assert torch.equal(batch.positions, expected)
+    assert not torch.equal(expected, step.linear_positions)  # the test batch has real trees
+    # Each tree serves one verify step: the requests fed drafts consumed theirs.
+    assert [int(step.handover.stamp[slot]) for slot, *_ in REQUESTS] == [-1, -1, -1, -1, -1]
+
+
+def test_a_tree_is_verified_once_even_if_fed_its_tokens_again():
+    """vLLM may skip a draft step and feed the same drafts again: the tree was consumed by its verify step."""
+    step = FakeStep()
+    step.prepare()
+    step.batch.positions.copy_(step.linear_positions)
+    step.prepare()
+    assert step.core.tree_rows[:2].tolist() == [-1, -1]
+    assert torch.equal(step.batch.positions, step.linear_positions)
 
 
 def test_prepare_verify_guard_refuses_a_tree_whose_fed_tokens_differ():
     step = FakeStep()
     root = step.root_row(0)
     step.batch.input_ids[root + 2] = (step.batch.input_ids[root + 2] + 1) % VOCAB  # one draft not from the tree
-    step.verifier.prepare(step.batch)
-    verify_step.end()
-    assert step.verifier.tree_rows[:2].tolist() == [-1, 1]
+    verify = step.prepare()
+    assert step.core.tree_rows[:2].tolist() == [-1, 1]
+    assert verify.prepared.refused_fresh.tolist() == [True, False, False, False, False]
     assert torch.equal(step.batch.positions[: step.root_row(1)], step.linear_positions[: step.root_row(1)])
 
 
-@pytest.mark.parametrize("seed, tamper", [(0, None), (1, None), (2, "draft"), (3, "short")])
+def test_check_trees_raises_on_fed_drafts_that_are_not_the_fresh_tree(monkeypatch):
+    step = FakeStep()
+    step.core.check_trees = True
+    step.batch.input_ids[step.root_row(1) + 1] += 1
+    with pytest.raises(RuntimeError, match="fresh tree"):
+        step.prepare()
+
+
+@pytest.mark.parametrize("seed, tamper", [(0, None), (1, None), (2, "draft"), (3, "short"), (4, "mrope")])
 def test_prepare_rows_kernel_equals_its_torch_reference(seed, tamper):
     """The one-launch Triton prepare (TRITON_INTERPRET here) against the plain-PyTorch reference, on every output:
-    the trees in batch order, num_nodes, tree_rows (rows past the batch too), depth positions and the row layout."""
-    from vllm_ddtree.mrv2.row_layout import RowBuffers, prepare_rows_torch, prepare_rows_triton
+    the trees in batch order, num_nodes, tree_rows (rows past the batch too), depth positions (M-RoPE's three rows
+    too), the stamps it consumed and the row layout."""
+    from vllm_ddtree.verify_rows import RowBuffers, RowInputs, prepare_rows_torch, prepare_rows_triton
 
     steps = [FakeStep(seed), FakeStep(seed)]
-    outputs = []
+    outputs, mropes = [], []
     for step, prepare in zip(steps, (prepare_rows_triton, prepare_rows_torch)):
         if tamper == "draft":  # the fresh truncated tree's last fed draft is not the tree's: the guard refuses it
             row = step.root_row(1) + REQUESTS[1][2]
             step.batch.input_ids[row] = (step.batch.input_ids[row] + 1) % VOCAB
         if tamper == "short":  # the first tree has fewer nodes than were fed: refused too
             step.req_trees.num_nodes[REQUESTS[0][0]] = REQUESTS[0][2] - 1
-        verifier = step.verifier
-        verifier.tree_rows.fill_(3)  # stale values from an earlier, larger batch
-        outputs.append(prepare(step.batch, step.req_trees, verifier.verify_trees, verifier.tree_rows,
-                               RowBuffers(MAX_REQS, MAX_TOKENS, torch.device("cpu"))))
+        mrope = step.batch.positions.repeat(3, 1) + torch.tensor([[0], [100], [200]]) if tamper == "mrope" else None
+        mropes.append(mrope)
+        core, batch = step.core, step.batch
+        core.tree_rows.fill_(3)  # stale values from an earlier, larger batch
+        rows = RowInputs(batch.idx_mapping, batch.cu_num_logits, batch.logits_indices, batch.input_ids,
+                         batch.positions, mrope, batch.num_reqs, batch.num_tokens)
+        outputs.append(prepare(rows, step.req_trees, step.handover.stamp, step.handover.epoch, core.verify_trees,
+                               core.tree_rows, RowBuffers(MAX_REQS, MAX_TOKENS, torch.device("cpu"))))
     (kernel, reference), (kernel_step, reference_step) = outputs, steps
     expected = [tamper != "short", tamper != "draft", False, False, False]
     assert kernel.has_tree.tolist() == expected == reference.has_tree.tolist()
+    assert kernel.refused_fresh.tolist() == reference.refused_fresh.tolist()
     for name in ("shift", "row_request", "row_node", "root_rows", "row_starts"):
         assert torch.equal(getattr(kernel, name), getattr(reference, name)), name
     assert torch.equal(kernel_step.batch.positions, reference_step.batch.positions)
-    assert torch.equal(kernel_step.verifier.tree_rows, reference_step.verifier.tree_rows)
-    assert kernel_step.verifier.tree_rows[len(REQUESTS):].eq(-1).all()
+    assert torch.equal(kernel_step.core.tree_rows, reference_step.core.tree_rows)
+    assert torch.equal(kernel_step.handover.stamp, reference_step.handover.stamp)
+    assert kernel_step.core.tree_rows[len(REQUESTS):].eq(-1).all()
+    if tamper == "mrope":
+        assert torch.equal(mropes[0], mropes[1])
+        assert torch.equal(mropes[0] - torch.tensor([[0], [100], [200]]), kernel_step.batch.positions.repeat(3, 1))
     num_reqs = len(REQUESTS)
-    for name in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
-        assert torch.equal(getattr(kernel_step.verifier.verify_trees, name)[:num_reqs],
-                           getattr(reference_step.verifier.verify_trees, name)[:num_reqs]), name
+    for name in (*TREE_FIELDS, "num_nodes"):
+        assert torch.equal(getattr(kernel_step.core.verify_trees, name)[:num_reqs],
+                           getattr(reference_step.core.verify_trees, name)[:num_reqs]), name
 
 
 def test_prepare_verify_skips_steps_without_drafts():
     step = FakeStep()
     step.batch.num_draft_tokens = 0
-    step.verifier.prepare(step.batch)
-    assert verify_step.current() is None and step.verifier.rows is None
+    assert step.prepare() is None
+    assert step.core.take_step() is None
     assert torch.equal(step.batch.positions, step.linear_positions)
 
 
@@ -416,18 +453,18 @@ def _kv_fixture(step: FakeStep):
         def __call__(self, block_table, ctx_lens, accepted):
             kv_compact_torch(views, block_table, ctx_lens, accepted)
 
-    step.verifier.compaction = Compaction()
-    step.verifier.block_tables = SimpleNamespace(input_block_tables=[batch_table])
+    step.core.compaction = Compaction()
+    step.speculator.block_tables = SimpleNamespace(input_block_tables=[batch_table])
     return cache, by_slot
 
 
 def _run_sampler(step: FakeStep, num_logprobs: int = -1):
-    from vllm_ddtree.mrv2.verifier import MRV2TreeSampler
+    from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
 
     sampler = StubSampler(step.prefill_len, num_logprobs)
-    tree_sampler = MRV2TreeSampler(step.verifier, sampler, fallback=None)
+    tree_sampler = MRV2TreeSampler(step.speculator, sampler, fallback=None)
     logits, paths, bonus = step.target_logits()
-    step.verifier.prepare(step.batch)
+    step.prepare()
     depth_positions = step.batch.positions.clone()
     out = tree_sampler(logits, step.batch)
     return out, paths, bonus, sampler, depth_positions, logits
@@ -440,7 +477,7 @@ def test_tree_sampler_output_contract_and_post_update():
     cache, by_slot = _kv_fixture(step)
     before = cache.clone()
     out, paths, bonus, sampler, depth_positions, _ = _run_sampler(step)
-    assert verify_step.current() is None
+    assert step.core.attention.step is None  # the forward is over: attention is causal again
     batch = step.batch
     # The runner's Sampler drew each node at its depth position (that keys the Gumbel noise).
     assert torch.equal(sampler.positions_seen[0], depth_positions[batch.logits_indices])
@@ -461,7 +498,7 @@ def test_tree_sampler_output_contract_and_post_update():
     assert out.num_rejected.tolist() == want_rejected
     assert max(len(p) for p in paths.values()) > 2, "the fixture should accept a path of depth >= 2"
     assert any(node != k for p in paths.values() for k, node in enumerate(p)), "and one that is not a prefix"
-    assert out.sampled_token_ids.data_ptr() != step.verifier.walk.output_token_ids.data_ptr()
+    assert out.sampled_token_ids.data_ptr() != step.core.walk_out.output_token_ids.data_ptr()
 
     # post_update (MRV2's device bookkeeping) then gives num_computed = s + 1 + m and last_sampled = the bonus.
     num_computed = step.num_computed.clone()
@@ -488,11 +525,12 @@ def test_tree_sampler_output_contract_and_post_update():
 
 
 def test_tree_sampler_falls_back_to_vllms_rejection_sampler_without_a_tree_step():
-    from vllm_ddtree.mrv2.verifier import MRV2TreeSampler
+    from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
 
-    verify_step.end()
+    step = FakeStep()
     calls = []
-    tree_sampler = MRV2TreeSampler(verifier=None, sampler=None, fallback=lambda *args: calls.append(args) or "chain")
+    tree_sampler = MRV2TreeSampler(step.speculator, sampler=None,
+                                   fallback=lambda *args: calls.append(args) or "chain")
     assert tree_sampler("logits", "batch", None) == "chain" and len(calls) == 1
 
 
@@ -507,8 +545,8 @@ def test_linearise_gives_dflash_the_accepted_path_as_a_chain():
     out, paths, bonus, _, _, _ = _run_sampler(step)
     batch = step.batch
     hidden = torch.arange(batch.num_tokens, dtype=torch.float32)[:, None].repeat(1, 3)
-    [linear_hidden] = step.verifier.linearise(batch, [hidden])
-    step.verifier.finish_step()
+    order = step.core.linearise(step.core.take_step())
+    linear_hidden = hidden.index_select(0, order)
     assert torch.equal(batch.positions, step.linear_positions)
 
     draft = InputBuffers(MAX_REQS, MAX_TOKENS, torch.device("cpu"))
@@ -543,7 +581,7 @@ def test_linearise_gives_dflash_the_accepted_path_as_a_chain():
 def test_linearise_rows_kernel_equals_its_torch_reference(walked):
     """The one-launch Triton linearise (TRITON_INTERPRET here) against the plain-PyTorch reference: the positions
     go back to linear, and after a walk the row order is ``chain_order``'s (not before: None)."""
-    from vllm_ddtree.mrv2.row_layout import linearise_rows_torch, linearise_rows_triton
+    from vllm_ddtree.verify_rows import linearise_rows_torch, linearise_rows_triton
 
     orders = []
     for linearise in (linearise_rows_triton, linearise_rows_torch):
@@ -552,12 +590,11 @@ def test_linearise_rows_kernel_equals_its_torch_reference(walked):
         if walked:
             _run_sampler(step)  # prepare, walk, compaction: accepted paths with acc[k] != k
         else:
-            step.verifier.prepare(step.batch)
-            verify_step.end()
-        verifier = step.verifier
+            step.prepare()
+        verify = step.core.take_step()
         assert not torch.equal(step.batch.positions, step.linear_positions)
-        accepted = verifier.walk.accepted_node_ids[: step.batch.num_reqs] if walked else None
-        orders.append(linearise(step.batch, verifier.rows, accepted, torch.arange(MAX_TOKENS)))
+        accepted = step.core.walk_out.accepted_node_ids[: step.batch.num_reqs] if walked else None
+        orders.append(linearise(verify.rows, verify.prepared, accepted, torch.arange(MAX_TOKENS)))
         assert torch.equal(step.batch.positions, step.linear_positions)
     kernel, reference = orders
     if walked:
@@ -617,41 +654,30 @@ def test_generate_draft_builds_trees_rooted_at_the_anchors():
     assert torch.equal(fake.draft_tokens[:num_reqs], want.token_ids[:, 1:])
 
 
-def test_file_trees_stores_each_batch_row_under_its_request_slot():
-    from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
-
+def test_handover_files_each_batch_row_under_its_request_slot_with_a_new_epoch():
     gen = torch.Generator().manual_seed(4)
     batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
     build_tree(torch.randn(3, DEPTH, VOCAB, generator=gen), BUDGET, batch_trees, torch.tensor([1, 2, 3]))
-    req_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
-    fake = SimpleNamespace(batch_trees=batch_trees, req_trees=req_trees)
+    handover = TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"))
     idx_mapping = torch.tensor([6, 0, 3], dtype=torch.int32)
-    DDTreeSpeculator.file_trees(fake, SimpleNamespace(num_reqs=3, idx_mapping=idx_mapping))
+    handover.file(idx_mapping, batch_trees, 3)
+    handover.file(idx_mapping[:1], batch_trees, 1)  # a later draft step with one request
     for row, slot in enumerate(idx_mapping.tolist()):
-        for name in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
-            assert torch.equal(getattr(req_trees, name)[slot], getattr(batch_trees, name)[row])
-    assert int(req_trees.num_nodes[1]) == 0  # untouched slots stay empty
+        for name in (*TREE_FIELDS, "num_nodes"):
+            assert torch.equal(getattr(handover.trees, name)[slot], getattr(batch_trees, name)[row])
+    assert int(handover.trees.num_nodes[1]) == 0  # untouched slots stay empty
+    assert handover.stamp[[6, 0, 3, 1]].tolist() == [2, 1, 1, -1] and int(handover.epoch) == 2
 
 
-def test_chain_order_matches_the_v1_host_built_order():
-    """verify_layout.chain_order (device root rows) is V1's former _chain_order (root rows from the host)."""
-    gen = torch.Generator().manual_seed(5)
-    accepted = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 3, 4]], dtype=torch.int32)
-    root_rows_np = np.array([0, 7, 9])
-    num_tokens = 16 + int(torch.randint(0, 3, (1,), generator=gen))
+def test_request_slots_are_stable_and_reused_once_a_request_is_gone():
+    from vllm_ddtree.tree_handover import RequestSlots
 
-    def v1_order(acc, root_np, n):  # the pre-refactor proposer._chain_order
-        acc = acc.to(torch.int64)
-        root = torch.from_numpy(root_np)[:, None]
-        k = torch.arange(acc.shape[1])[None, :]
-        dest = torch.where(acc >= 0, root + k, n)
-        order = torch.arange(n + 1)
-        order.scatter_(0, dest.view(-1), torch.where(acc >= 0, root + acc, n).view(-1))
-        return order[:n]
-
-    got = chain_order(accepted, torch.from_numpy(root_rows_np), num_tokens)
-    assert torch.equal(got, v1_order(accepted, root_rows_np, num_tokens))
-    assert got[:3].tolist() == [0, 2, 5] and got[9:13].tolist() == [9, 10, 12, 13]
+    slots = RequestSlots(2)
+    a, b = slots.lookup(["a", "b"], {"a", "b"})
+    assert slots.lookup(["b", "a"], {"a", "b"}) == [b, a]
+    assert slots.lookup(["c"], {"b", "c"}) == [a]  # "a" finished: its slot is reused
+    with pytest.raises(RuntimeError, match="more live requests"):
+        slots.lookup(["d"], {"b", "c", "d"})
 
 
 def test_step_timing_marks_the_verify_phases_in_order(monkeypatch, tmp_path):
@@ -659,5 +685,5 @@ def test_step_timing_marks_the_verify_phases_in_order(monkeypatch, tmp_path):
     step = FakeStep()
     _kv_fixture(step)
     _run_sampler(step)
-    assert [name for name, _, _ in step.verifier.timer.marks] == ["prepare", "prepared", "sample", "walked",
-                                                                   "compacted"]
+    assert [name for name, _, _ in step.core.timer.marks] == ["prepare", "prepared", "sample", "walked",
+                                                               "compacted"]

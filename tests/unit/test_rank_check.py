@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree import verifier
+from vllm_ddtree import verify_core as verifier
 
 
 class FakeGroup:

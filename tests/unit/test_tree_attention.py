@@ -339,36 +339,53 @@ def test_graph_capture_warmup_shapes():
         torch.testing.assert_close(out[9 * r : 9 * (r + 1)], first_value.expand(9, -1, -1))
 
 
-def test_triton_backend_routes_target_layers_through_static_trees(monkeypatch):
-    """The GPU backend: a target layer runs every forward through the tree kernel, reading which requests verify a
-    tree from the static ``tree_rows`` (-1 = causal), so a captured graph replays correctly; other layers (the
-    drafter's) and the profiling run (no metadata) are vLLM's attention."""
+@pytest.mark.parametrize("backend_name", ["flash", "triton"])
+def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, backend_name):
+    """The GPU backends (vLLM's FlashAttention or Triton, subclassed): a full verify batch (query length one of the
+    verify widths, the shape vLLM captures in full graphs) runs the tree kernel on every row, reading which requests
+    verify a tree from the static ``tree_rows`` (-1 = causal); any other forward is vLLM's kernel, after which, with
+    a verify step in flight, only the tree requests' rows are recomputed. Other layers (the drafter's) and the
+    profiling run (no metadata) are vLLM's attention only."""
     from types import SimpleNamespace
 
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
-
-    from vllm_ddtree import verify_step
     from vllm_ddtree.attention import backend
+    from vllm_ddtree.verify_core import TreeAttentionInputs
 
+    impl_cls = {"flash": backend.TreeFlashAttentionImpl, "triton": backend.TreeTritonAttentionImpl}[backend_name]
+    vllm_impl = impl_cls.__mro__[2]  # the vLLM class the tree subclass extends
     c = Case([17, 30], [8, 8], 7, 4, 2, 64, 16, torch.float32, seed=29, causal=(0,))
-    impl = backend.TreeTritonAttentionImpl.__new__(backend.TreeTritonAttentionImpl)
+    impl = impl_cls.__new__(impl_cls)
     impl.num_heads, impl.head_size, impl.scale = c.hq, c.d, c.scale
+    impl.attn_type = backend.AttentionType.DECODER
     tree_rows = torch.full((4,), -1, dtype=torch.int32)
     tree_rows[1] = 1  # request 1 verifies the tree in row 1; request 0 is causal
-    monkeypatch.setattr(verify_step, "_static", verify_step.StaticTreeInputs(c.bits, tree_rows))
+    inputs = TreeAttentionInputs(c.bits, tree_rows, frozenset({8}))
     metadata = SimpleNamespace(
         num_actual_tokens=c.num_tokens, seq_lens=c.seq_lens, query_start_loc=c.qsl, block_table=c.block_table,
         max_query_len=8,
     )
     calls = []
-    monkeypatch.setattr(TritonAttentionImpl, "forward", lambda self, *a, **k: calls.append(a) or a[6])
+
+    def vllm_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        calls.append(attn_metadata)
+        return output.fill_(7.0)  # a value no attention output has here
+
+    monkeypatch.setattr(vllm_impl, "forward", vllm_forward)
 
     def forward(metadata):
         out = torch.full_like(c.q, float("nan"))
         return impl.forward(None, c.q, None, None, c.kv, metadata, out)
 
-    assert torch.isnan(forward(metadata)).all() and len(calls) == 1  # not a target layer: vLLM's
-    impl.tree_layer = True
-    assert torch.isnan(forward(None)).all() and len(calls) == 2  # profiling run: vLLM's
-    assert_close(forward(metadata), c.dense_reference(), torch.float32)
+    reference = c.dense_reference()
+    assert forward(metadata).eq(7.0).all() and len(calls) == 1  # not a target layer: vLLM's
+    impl.tree_inputs = inputs
+    assert forward(None).eq(7.0).all() and len(calls) == 2  # profiling run: vLLM's
+    assert_close(forward(metadata), reference, torch.float32)  # a full verify batch: the tree kernel, every row
     assert len(calls) == 2
+    other_width = SimpleNamespace(**{**vars(metadata), "max_query_len": 9})
+    assert forward(other_width).eq(7.0).all() and len(calls) == 3  # no verify step in flight: vLLM's only
+    inputs.step = object()
+    mixed = forward(other_width)
+    assert len(calls) == 4
+    assert mixed[:8].eq(7.0).all()  # the causal request keeps vLLM's output
+    assert_close(mixed[8:], reference[8:], torch.float32)  # the tree request's rows are the tree kernel's

@@ -1,24 +1,15 @@
-"""Tree-walk sampler (vllm_ddtree/sampler.py): greedy walk vs a brute-force walk, and lossless sampling (chi-square)."""
+"""Tree-walk sampler (vllm_ddtree/sampler.py): greedy walk vs a brute-force walk, and lossless sampling (chi-square)
+with each runner's way of drawing one token per node: the V1 adapter's (independent draws, ``sample_node_tokens``)
+and Model Runner V2's (Gumbel noise keyed by the node's depth position, so siblings share their noise)."""
 
 from __future__ import annotations
-
-import inspect
-import re
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from vllm_ddtree import sampler
-from vllm_ddtree.sampler import (
-    TreeWalkOutput,
-    apply_min_p,
-    sample_node_tokens,
-    tree_sample,
-    tree_sample_from_metadata,
-    walk_tree,
-)
+from vllm_ddtree.sampler import TreeWalkOutput, sample_node_tokens, walk_tree
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree.reference import tree_batch_from_lists, walk_tree_greedy_reference
@@ -26,6 +17,35 @@ from vllm_ddtree.tree.reference import tree_batch_from_lists, walk_tree_greedy_r
 DRAWS = 100_000
 VOCAB = 6
 P_ACCEPT = 0.01  # a correct sampler must not be rejected at this level (seeds are fixed: no flakiness)
+
+
+def tree_sample(logits: torch.Tensor, tree: TreeBatch, max_depth: int, out=None, **params) -> TreeWalkOutput:
+    """The V1 adapter's verify step in miniature: one draw per node (V1's semantics), then the walk."""
+    return walk_tree(sample_node_tokens(logits, **params), tree, max_depth, out)
+
+
+def mrv2_tree_sample(logits: torch.Tensor, tree: TreeBatch, max_depth: int, *, temperature, top_k=None, top_p=None,
+                     **_) -> TreeWalkOutput:
+    """Model Runner V2's verify step in miniature: its Sampler draws by Gumbel-max with noise keyed by (request
+    seed, position), and a node's position is its depth position, so siblings share one noise vector (vLLM's
+    ``gumbel_sample``, which the Triton interpreter cannot run, emulated in torch)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    rows, width, vocab = logits.shape
+    scaled = logits.to(torch.float32) / temperature[:rows, None, None]
+
+    def per_node(x):
+        return None if x is None else x[:rows, None].expand(rows, width).reshape(-1)
+
+    processed = apply_top_k_top_p_pytorch(scaled.reshape(-1, vocab), per_node(top_k), per_node(top_p))
+    noise = -torch.log(-torch.log(torch.rand(rows, max_depth + 1, vocab).clamp_(min=1e-20)))
+    depth = tree.depths[:rows].clamp(min=0).long()  # padding nodes (-1) are never walked
+    node_noise = torch.gather(noise, 1, depth[..., None].expand(rows, width, vocab))
+    node_tokens = (processed.view(rows, width, vocab) + node_noise).argmax(-1)
+    return walk_tree(node_tokens, tree, max_depth)
+
+
+SAMPLERS = {"v1": tree_sample, "mrv2": mrv2_tree_sample}
 
 
 def poisoned_output(rows: int, max_depth: int) -> TreeWalkOutput:
@@ -90,8 +110,6 @@ def test_greedy_walk_matches_brute_force(budget: int, depth: int, vocab: int) ->
     logits.scatter_(-1, post[..., None], 10.0)
     greedy = tree_sample(logits, tree, depth, all_greedy=True, out=poisoned_output(rows, depth))
     check_walk(greedy, tree, post, depth)
-    flat = tree_sample(logits.view(-1, vocab), tree, depth, all_greedy=True)
-    assert torch.equal(flat.output_token_ids, greedy.output_token_ids)
 
 
 def test_walk_depth_cap() -> None:
@@ -119,14 +137,12 @@ def target_tables(seed: int):
     return a, b, c
 
 
-def processed_probs(logits: np.ndarray, temperature: float, top_k=None, top_p=None, min_p=None) -> np.ndarray:
-    """Independent NumPy statement of vLLM's order and semantics: temperature, min-p, top-k, top-p."""
+def processed_probs(logits: np.ndarray, temperature: float, top_k=None, top_p=None) -> np.ndarray:
+    """Independent NumPy statement of vLLM's order and semantics: temperature, top-k, top-p."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     keep = np.ones_like(z, dtype=bool)
     p = np.exp(z - z.max())
     p /= p.sum()
-    if min_p is not None:
-        keep &= p >= min_p * p.max()
     if top_k is not None:
         kth = np.sort(np.where(keep, z, -np.inf))[::-1][top_k - 1]
         keep &= z >= kth
@@ -201,8 +217,10 @@ def expected_first_pair(a, b, params) -> tuple[np.ndarray, np.ndarray]:
     return p1, (p1[:, None] * p2).reshape(-1)
 
 
-def run_sampled(kind: str, params: dict, seed: int, sampler_params: dict | None = None, no_tree: bool = False):
-    """DRAWS rows of one tree through tree_sample; returns (output, tables). sampler_params overrides params."""
+def run_sampled(kind: str, params: dict, seed: int, sampler_params: dict | None = None, no_tree: bool = False,
+                sampler: str = "v1"):
+    """DRAWS rows of one tree through a runner's verify step; returns (output, tables). sampler_params overrides
+    params."""
     a, b, c = target_tables(seed)
     tokens, parents = sampling_tree(kind, a, b, params)
     logits = node_logits(tokens, parents, a, b, c)
@@ -211,15 +229,14 @@ def run_sampled(kind: str, params: dict, seed: int, sampler_params: dict | None 
         tree.num_nodes.zero_()
     use = dict(params, **(sampler_params or {}))
     torch.manual_seed(seed)
-    out = tree_sample(
+    out = SAMPLERS[sampler](
         logits.expand(DRAWS, -1, -1),
         tree,
-        max_depth=3,
+        3,
         all_greedy=False,
         temperature=torch.full((DRAWS,), use["temperature"]),
         top_k=None if use.get("top_k") is None else torch.full((DRAWS,), use["top_k"], dtype=torch.int32),
         top_p=None if use.get("top_p") is None else torch.full((DRAWS,), use["top_p"]),
-        min_p=None if use.get("min_p") is None else torch.full((DRAWS,), use["min_p"]),
     )
     return out, (a, b, c)
 
@@ -228,16 +245,17 @@ SAMPLING_CASES = {
     "t0.7": dict(temperature=0.7),
     "t1.3_topk3": dict(temperature=1.3, top_k=3),
     "t0.9_topp0.8": dict(temperature=0.9, top_p=0.8),
-    "t1.0_topk4_topp0.9_minp0.1": dict(temperature=1.0, top_k=4, top_p=0.9, min_p=0.1),
+    "t1.0_topk4_topp0.9": dict(temperature=1.0, top_k=4, top_p=0.9),
 }
 
 
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
 @pytest.mark.parametrize("kind", ["matching", "mismatching"])
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
-def test_sampled_walk_is_lossless(kind: str, case: str) -> None:
+def test_sampled_walk_is_lossless(kind: str, case: str, sampler: str) -> None:
     params = SAMPLING_CASES[case]
     seed = 17 + len(case) + len(kind)
-    out, (a, b, _) = run_sampled(kind, params, seed)
+    out, (a, b, _) = run_sampled(kind, params, seed, sampler=sampler)
     p1, p12 = expected_first_pair(a, b, params)
     first, pairs = first_pair_counts(out, b, params, seed)
     assert chi_square_p(first, p1) > P_ACCEPT
@@ -260,10 +278,11 @@ def test_no_tree_rows_emit_the_root_sample() -> None:
     assert chi_square_p(first, processed_probs(a.numpy(), **params)) > P_ACCEPT
 
 
-def test_chi_square_rejects_wrong_temperature() -> None:
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_chi_square_rejects_wrong_temperature(sampler: str) -> None:
     """Negative control: sampling at T=1 when T=0.5 was asked must be caught."""
     params = dict(temperature=0.5)
-    out, (a, b, _) = run_sampled("matching", params, seed=3, sampler_params=dict(temperature=1.0))
+    out, (a, b, _) = run_sampled("matching", params, seed=3, sampler_params=dict(temperature=1.0), sampler=sampler)
     p1, p12 = expected_first_pair(a, b, params)
     first, pairs = first_pair_counts(out, b, params, 3)
     assert chi_square_p(first, p1) < 1e-6
@@ -348,60 +367,3 @@ def test_mixed_greedy_and_sampled_batch() -> None:
     sampled_rows = [1, 3, 5, 7]
     assert any(not torch.equal(o.output_token_ids[sampled_rows], expected.output_token_ids[sampled_rows])
                for o in outs)
-
-
-def test_min_p_matches_vllm_processor() -> None:
-    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-
-    logits = torch.randn(6, 50)
-    min_p = torch.tensor([0.0, 0.05, 0.1, 0.3, 0.9, 1.0])
-    processor = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
-    processor.min_p_count, processor.min_p = 5, min_p[:, None]
-    assert torch.equal(apply_min_p(logits.clone(), min_p), processor.apply(logits.clone()))
-
-
-def test_metadata_entry_point_matches_plain_call() -> None:
-    """tree_sample_from_metadata reads vLLM's SamplingMetadata the way Sampler does (incl. min-p and masks)."""
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    rows, budget, depth, vocab = 6, 16, 5, 20
-    tree, logits = mixed_inputs(rows, budget, depth, vocab, seed=8)
-    temperature = torch.tensor([0.0, 0.8, 1.2, 0.0, 0.5, 1.0])
-    top_k = torch.tensor([20, 5, 20, 3, 8, 20], dtype=torch.int32)
-    top_p = torch.tensor([1.0, 0.9, 0.7, 1.0, 1.0, 0.95])
-    min_p = torch.tensor([0.0, 0.1, 0.0, 0.0, 0.2, 0.05])
-    allowed_mask = torch.zeros(rows, vocab, dtype=torch.bool)
-    allowed_mask[4, :10] = True  # request 4 may not emit tokens 0..9
-    processor = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
-    processor.min_p_count, processor.min_p = 4, min_p[:, None]
-
-    def metadata(seed):
-        return SamplingMetadata(
-            temperature=temperature, all_greedy=False, all_random=False, top_p=top_p, top_k=top_k,
-            generators={r: torch.Generator().manual_seed(seed + r) for r in range(rows)}, max_num_logprobs=None,
-            no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(rows),
-            presence_penalties=torch.zeros(rows), repetition_penalties=torch.ones(rows), output_token_ids=[],
-            allowed_token_ids_mask=allowed_mask, bad_words_token_ids={},
-            logitsprocs=LogitsProcessors([processor]),
-        )
-
-    via_metadata = tree_sample_from_metadata(logits, tree, depth, metadata(7))
-    masked = logits.masked_fill(allowed_mask[:, None, :], float("-inf"))
-    plain = tree_sample(masked, tree, depth, all_greedy=False, temperature=temperature, top_k=top_k, top_p=top_p,
-                        min_p=min_p, generators=metadata(7).generators)
-    assert torch.equal(via_metadata.output_token_ids, plain.output_token_ids)
-    assert not torch.isin(via_metadata.output_token_ids[4], torch.arange(10)).any()
-    greedy_md = metadata(7)
-    greedy_md.all_greedy, greedy_md.temperature = True, None
-    greedy = tree_sample_from_metadata(logits, tree, depth, greedy_md)
-    assert torch.equal(greedy.output_token_ids, walk_tree(masked.argmax(-1), tree, depth).output_token_ids)
-
-
-def test_no_host_sync_in_walk() -> None:
-    """Static guard on the decode-path module (the vLLM-metadata adapter reads only host-side flags)."""
-    source = inspect.getsource(sampler)
-    for forbidden in (r"\.item\(", r"\.tolist\(", r"\.cpu\(", r"\.numpy\(", r"nonzero", r"masked_select",
-                      r"torch\.unique", r"bool\(", r"\.any\(\)", r"\.all\(\)", r"multinomial"):
-        assert not re.search(forbidden, source), forbidden

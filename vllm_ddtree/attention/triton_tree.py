@@ -136,7 +136,7 @@ def _tree_attn_kernel(
     G: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_TREE_ROWS: tl.constexpr, K_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, SKIP_CAUSAL: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -156,6 +156,9 @@ def _tree_attn_kernel(
     else:
         tree_row = seq
     is_tree = tree_row >= 0
+    if SKIP_CAUSAL:
+        if tree_row < 0:
+            return  # another kernel (vLLM's) computed this causal request's rows
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -392,6 +395,7 @@ def tree_attention(
     k_rows: bool = False,
     softcap: float = 0.0,
     sliding_window: int | None = None,
+    tree_rows_only: bool = False,
 ) -> torch.Tensor:
     """Tree-masked paged attention; writes ``out [T, Hq, D]`` and returns it (see module docstring).
 
@@ -400,7 +404,8 @@ def tree_attention(
     always 1 on CPU), 1 = single pass, > 1 (a power of 2) uses ``workspace`` from ``split_workspace``, or else
     the module-level one shared by all calls (``allocate_workspace``; the factor is lowered to fit it).
     Tile, warps and stages default to ``launch_config``. No host syncs: every shape and launch parameter comes
-    from tensor shapes and Python ints.
+    from tensor shapes and Python ints. ``tree_rows_only``: write only the rows of requests with a tree (``tree_rows
+    >= 0``), leaving the others' output as it is (another kernel computed them); single pass.
     """
     if softcap:
         raise NotImplementedError("tree attention: logits softcap is not supported")
@@ -429,6 +434,9 @@ def tree_attention(
     tile = tile_size or d_tile
     head_pad = _head_pad(head_size)
     grid0 = num_tokens // block_q + num_seqs
+    if tree_rows_only:
+        assert tree_rows is not None, "tree_rows_only needs tree_rows"
+        num_kv_splits = 1  # the split merge would write every row
     if num_kv_splits is None:
         num_kv_splits = auto_kv_splits(num_tokens, num_seqs, num_q_heads, num_kv_heads, max_query_len, q.device, bm)
     if workspace is None:
@@ -456,7 +464,7 @@ def tree_attention(
         G=g, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE=tile,
         BLOCK_M=bm, BLOCK_Q=block_q, NUM_SPLITS=num_kv_splits, USE_TREE_ROWS=use_tree_rows, K_ROWS=k_rows,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16,
+        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, SKIP_CAUSAL=tree_rows_only,
         **kwargs,
     )
     if num_kv_splits > 1:

@@ -1,45 +1,49 @@
-"""DDTreeSpeculator: Model Runner V2's DFlash speculator, turning its one draft pass into a best-first tree
-(docs/model-runner-v2.md §2.1, §2.2, §2.7).
+"""DDTreeSpeculator: Model Runner V2's adapter on the drafting side (its DFlash speculator, trees instead of a chain).
 
-The runner treats it as a DFlash speculator with ``K = B`` drafts per request (config.py sets
-``num_speculative_tokens`` to the budget B and caps the depth by it): it stores the B tree tokens we return in
-``req_states.draft_tokens`` and feeds them to the next verify step. Inside, "steps" are DFlash positions, i.e. the
-tree depth. Differences from DFlash:
+Patch 0004's ``init_speculator`` hook builds it. The runner treats it as a DFlash speculator with ``K = B`` drafts
+per request (config.py sets ``num_speculative_tokens`` to the budget B and caps the depth by it): it stores the B tree
+tokens we return in ``req_states.draft_tokens`` and feeds them to the next verify step. Inside, "steps" are DFlash
+positions, i.e. the tree depth. Differences from DFlash:
 
 - ``_generate_draft`` (captured in DFlash's CUDA graphs) builds the trees from the per-depth logits instead of
   taking the argmax; the tree of batch row r lands in ``batch_trees[r]``;
-- ``propose`` first linearises the verified step (positions back to linear, accepted path's hidden rows right
-  after the root), runs DFlash unchanged, then files each batch row's tree under its request slot
-  (``req_trees``), where the next ``prepare_verify`` finds it;
-- ``prepare_verify`` and ``make_rejection_sampler`` are patch 0004's hooks into the verifier.
+- ``propose`` first linearises the verified step (``TreeVerifyCore.linearise``: positions back, each accepted path's
+  hidden rows right after its root, as MRV2's DFlash input kernel takes every scheduled row as context), runs DFlash
+  unchanged, then files each batch row's tree under its request slot (``req_state_idx``) for the next verify step;
+- ``prepare_verify`` and ``make_rejection_sampler`` are patch 0004's other two hooks: MRV2's input batch becomes
+  ``RowInputs`` for the core, and the rejection sampler's slot gets ``mrv2/sampler.py``.
+
+It owns the worker's ``TreeVerifyCore``, which it hands to the sampler patch 0004 builds.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.cuda_graphs import warn_if_trees_outgrow_graphs
-from vllm_ddtree.hang_dump import arm_from_env as arm_hang_dump
-from vllm_ddtree.mrv2.verifier import MRV2TreeSampler, MRV2TreeVerifier
-from vllm_ddtree.step_timing import StepTimer
+from vllm_ddtree.config import describe_runner
+from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_trees_outgrow_graphs
+from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
-from vllm_ddtree.verify_layout import TREE_FIELDS
+from vllm_ddtree.tree_handover import TreeHandover
+from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
+from vllm_ddtree.verify_rows import RowInputs
 
-TREE_STATE_FIELDS = (*TREE_FIELDS, "num_nodes")
+logger = logging.getLogger("vllm_ddtree")
 
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
-        arm_hang_dump()  # VLLM_DDTREE_HANG_DUMP_S: bring-up aid, off by default
         spec = vllm_config.speculative_config
         if spec.use_local_argmax_reduction:
             raise ValueError("ddtree builds its trees from the full draft logits; drop use_local_argmax_reduction")
@@ -53,17 +57,20 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Query offset 0 of each request is the anchor: the bonus token, i.e. the tree's root.
         self._anchor_idx = torch.arange(self.max_num_reqs, dtype=torch.int64, device=device) * self.num_query_per_req
         self.batch_trees = TreeBatch.allocate(self.max_num_reqs, self.tree_budget, device)  # by batch row
-        self.req_trees = TreeBatch.allocate(self.max_num_reqs, self.tree_budget, device)  # by request slot
-        self.timer = StepTimer(device)
-        self.verifier = MRV2TreeVerifier(self.req_trees, self.tree_depth, self.max_num_tokens, device, self.timer)
+        self.core = TreeVerifyCore(
+            TreeHandover(self.max_num_reqs, self.tree_budget, device), self.tree_depth, self.max_num_reqs,
+            self.max_num_tokens, device, cuda_graphs=graphs_enabled(vllm_config, device),
+            verify_widths=verify_widths(spec),
+        )
         # Runs in the runner's __init__, before the target model is built: its layers get the tree backends.
-        tree_backends.select_tree_attention_backend(vllm_config)
+        tree_backends.check_attention_config(vllm_config)
         tree_backends.install()
         warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
+        logger.info(describe_runner(vllm_config, on_mrv2=True))
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
-        model_config = self.vllm_config.model_config  # (hybrid targets were refused with the config)
+        model_config = self.vllm_config.model_config  # (M-RoPE and hybrid targets run on the V1 runner)
         if model_config.uses_mrope:
             raise NotImplementedError("ddtree on Model Runner V2 does not support M-RoPE targets yet")
         from vllm.model_executor.layers.attention import Attention
@@ -72,23 +79,41 @@ class DDTreeSpeculator(DFlashSpeculator):
         draft_layers = set(self.draft_attn_layer_names)
         tree_backends.prepare_target_layers(
             {n: m for n, m in forward_context.items() if isinstance(m, Attention) and n not in draft_layers},
-            self.device,
+            self.core.attention, self.device,
         )
-        self.verifier.forward_context = forward_context
-        self.verifier.draft_layer_names = draft_layers
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups):
         super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups)
-        self.verifier.block_tables = block_tables
-        self.verifier.kv_cache_config = kv_cache_config
+        self.block_tables = block_tables
+        self.kv_cache_config = kv_cache_config
 
     # ------------------------------------------------------------------ patch 0004 hooks
 
     def make_rejection_sampler(self, sampler, rejection_sampler) -> MRV2TreeSampler:
-        return MRV2TreeSampler(self.verifier, sampler, rejection_sampler)
+        return MRV2TreeSampler(self, sampler, rejection_sampler)
 
     def prepare_verify(self, input_batch) -> None:
-        self.verifier.prepare(input_batch)
+        """Right after the slot mapping (every dummy and capture batch has no drafts: nothing to do)."""
+        if input_batch.num_draft_tokens == 0:
+            self.core.no_drafts()
+            return
+        num_reqs = input_batch.num_reqs
+        rows = RowInputs(
+            slots=input_batch.idx_mapping,
+            cu_num_logits=input_batch.cu_num_logits,
+            logits_indices=input_batch.logits_indices,
+            input_ids=input_batch.input_ids,
+            positions=input_batch.positions,
+            mrope_positions=None,
+            num_reqs=num_reqs,
+            num_tokens=input_batch.num_tokens,
+        )
+        self.core.prepare(rows, np.asarray(input_batch.num_draft_tokens_per_req[:num_reqs]))
+
+    def bind_kv_caches(self) -> None:
+        """On first use: the caches are bound only after ``set_attn`` (``init_kv_cache``)."""
+        self.core.bind_kv_caches(self.vllm_config.compilation_config.static_forward_context,
+                                 set(self.draft_attn_layer_names), self.kv_cache_config.kv_cache_groups)
 
     # ------------------------------------------------------------------ drafting
 
@@ -130,18 +155,19 @@ class DDTreeSpeculator(DFlashSpeculator):
         mm_inputs=None,
         is_profile: bool = False,
     ) -> torch.Tensor:
-        verifier = self.verifier
-        timed = verifier.rows is not None and not dummy_run
-        if timed:
-            self.timer.mark("propose")
-            # DFlash takes every scheduled row as context: the accepted path must be the first 1 + m rows.
-            if aux_hidden_states:
-                aux_hidden_states = verifier.linearise(input_batch, aux_hidden_states)
-            else:
-                [last_hidden_states] = verifier.linearise(input_batch, [last_hidden_states])
-            self.timer.mark("linearised")
-            self.timer.mark("build")
-        verifier.finish_step()
+        core = self.core
+        step = None if dummy_run else core.take_step()
+        if step is not None:
+            core.timer.mark("propose")
+            order = core.linearise(step)
+            if order is not None:  # DFlash takes every scheduled row as context: the path must come first
+                num_tokens = input_batch.num_tokens
+                if aux_hidden_states:
+                    aux_hidden_states = [h[:num_tokens].index_select(0, order) for h in aux_hidden_states]
+                else:
+                    last_hidden_states = last_hidden_states[:num_tokens].index_select(0, order)
+            core.timer.mark("linearised")
+            core.timer.mark("build")
         draft_tokens = super().propose(
             input_batch,
             attn_metadata,
@@ -161,14 +187,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             is_profile=is_profile,
         )
         if not dummy_run:  # dummy batches' slots 0..R-1 may belong to live requests
-            self.file_trees(input_batch)
-        if timed:
-            self.timer.mark("built")
+            core.handover.file(input_batch.idx_mapping, self.batch_trees, input_batch.num_reqs)
+        if step is not None:
+            core.timer.mark("built")
         return draft_tokens
-
-    def file_trees(self, input_batch) -> None:
-        """``req_trees[slot] = batch_trees[row]``: the next verify step finds each tree by its request's slot."""
-        num_reqs = input_batch.num_reqs
-        slots = input_batch.idx_mapping.to(torch.int64)
-        for name in TREE_STATE_FIELDS:
-            getattr(self.req_trees, name).index_copy_(0, slots, getattr(self.batch_trees, name)[:num_reqs])

@@ -1,4 +1,4 @@
-"""Device-side DDTree tree build: the authors' best-first heap (algorithm.md §2.2) as static-shape tensor ops.
+"""Device-side DDTree tree build: the authors' best-first heap (docs/algorithm.md §2.2) as static-shape tensor ops.
 
 The heap pops the B best prefixes under a total order; this module computes the same B prefixes, in the same
 order, with one width-B beam step per depth (<= L static iterations) and one final merge, so the whole build is

@@ -46,7 +46,7 @@ def _finish(tokens, parents, depths, ranks, scores) -> ReferenceTree:
 
 
 def heap_tree(top_logp: list[list[float]], top_ids: list[list[int]], budget: int) -> ReferenceTree:
-    """Algorithm 1 as the authors coded it (algorithm.md §2.2), with build.py's score and tie-break rule.
+    """Algorithm 1 as the authors coded it (docs/algorithm.md §2.2), with build.py's score and tie-break rule.
 
     top_logp/top_ids: [L][K] per depth, best first. Pops up to ``budget`` nodes; each pop pushes its next
     sibling (same parent, rank + 1) and its first child (depth + 1, rank 0).
@@ -150,7 +150,7 @@ def _int32_bit(b: int) -> int:
 def walk_tree_greedy_reference(
     tokens: list[int], parents: list[int], num_nodes: int, posterior: list[int], max_depth: int
 ) -> tuple[list[int], int]:
-    """The authors' ``follow_verified_tree`` (algorithm.md §3.2) on one row: child maps and a loop.
+    """The authors' ``follow_verified_tree`` (docs/algorithm.md §3.2) on one row: child maps and a loop.
 
     tokens/parents index nodes 0..B (only 1..num_nodes are live); posterior[i] is the target's token at node i.
     Returns (accepted node ids starting with the root, bonus token). Stops at max_depth accepted drafts.

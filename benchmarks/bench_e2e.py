@@ -47,7 +47,6 @@ def worker(args: dict) -> dict:
     args["attention_backend"] = os.environ.get("BENCH_ATTENTION_BACKEND")
     # None keeps vLLM's choice (on for the chain on GPU, off for ddtree unless asked for).
     async_scheduling = {"1": True, "0": False}.get(os.environ.get("BENCH_ASYNC_SCHEDULING", ""))
-    capture = os.environ.get("BENCH_MAX_CAPTURE_SIZE")
     if args["in_process"]:  # CPU: one process instead of three vLLM imports (the GPU keeps vLLM's default)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -69,7 +68,7 @@ def worker(args: dict) -> dict:
         async_scheduling=async_scheduling,
         # TP probe on the GPU host: vLLM's custom all-reduce needs CUDA IPC peer access between the GPUs.
         disable_custom_all_reduce=os.environ.get("BENCH_DISABLE_CUSTOM_ALL_REDUCE") == "1",
-        compilation_config={"max_cudagraph_capture_size": int(capture)} if capture else None,
+        compilation_config={"cudagraph_capture_sizes": args["capture_sizes"]} if args["capture_sizes"] else None,
         disable_log_stats=False,
         seed=0,
         **(hybrid_engine_args() if args["hybrid"] else {}),
@@ -182,8 +181,13 @@ def main() -> None:
     parser.add_argument("--v1", action="store_true", help="also run every budget on the V1 model runner "
                         "(VLLM_USE_V2_MODEL_RUNNER=0) as 'ddtree B=<b> V1'; on GPU ddtree runs on Model Runner V2 "
                         "where vLLM does (dense targets)")
-    parser.add_argument("--tree-capture-size", type=int, default=None, help="ddtree engines capture CUDA graphs up "
-                        "to this many tokens (vLLM's default stops at 512; batch x (1 + B) above it runs without)")
+    parser.add_argument("--capture-sizes", default="auto", help="CUDA-graph capture sizes: 'auto' (GPU: what each "
+                        "configuration's steps need at the benchmarked batch sizes, batch x tokens per request for "
+                        "the verify and the draft, plus 512 for prefills; vLLM's long default list makes a B=64 "
+                        "engine start for minutes), 'vllm' (vLLM's default), or a comma-separated list")
+    parser.add_argument("--concurrent", action="store_true", help="run every configuration's engine at once on the "
+                        "GPU (each with a share of its memory): for output comparisons only, the tokens/s of such a "
+                        "run are not a measurement")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name; "
                         "also comma-separated)")
@@ -228,19 +232,18 @@ def main() -> None:
     if args.same_backend_baselines and on_gpu:
         same = {"VLLM_USE_V2_MODEL_RUNNER": "0", "BENCH_ATTENTION_BACKEND": "TRITON_ATTN"}
         configs += [("no-spec V1+tri", None, same), ("dflash V1+tri", chain_spec, same)]
-    tree_env = {"BENCH_MAX_CAPTURE_SIZE": str(args.tree_capture_size)} if args.tree_capture_size else {}
     trees = [(f"ddtree B={b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b, **drafter_load},
-              tree_env) for b in args.budgets]
+              {}) for b in args.budgets]
     configs += trees
     if args.budget_schedule:
         largest = max(entry[2] for entry in args.budget_schedule)
         configs.append(("ddtree adaptive", {"method": "ddtree", "model": drafter, "num_speculative_tokens": largest,
                                             "num_speculative_tokens_per_batch_size": args.budget_schedule,
-                                            **drafter_load}, tree_env))
+                                            **drafter_load}, {}))
     if args.async_ab:
-        configs += [(f"{name} async", spec, {**tree_env, "BENCH_ASYNC_SCHEDULING": "1"}) for name, spec, _ in trees]
+        configs += [(f"{name} async", spec, {"BENCH_ASYNC_SCHEDULING": "1"}) for name, spec, _ in trees]
     if args.v1:
-        configs += [(f"{name} V1", spec, {**tree_env, "VLLM_USE_V2_MODEL_RUNNER": "0"}) for name, spec, _ in trees]
+        configs += [(f"{name} V1", spec, {"VLLM_USE_V2_MODEL_RUNNER": "0"}) for name, spec, _ in trees]
     if args.configs:
         wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
         configs = [c for c in configs if c[0] in wanted]
@@ -260,51 +263,88 @@ def main() -> None:
     meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
             "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "dtype": base["dtype"],
             "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),
-            "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape}
+            "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape,
+            "concurrent": args.concurrent}  # concurrent engines: output comparisons only, no timing
     results: dict[str, dict | None] = {}
+    share = len(configs) if args.concurrent else 1
+    runs = []
     for name, spec, env in configs:
-        cmd = [sys.executable, __file__, "--worker",
-               json.dumps({**base, "spec": spec, "config": name, "profile_dir": args.profile_dir})]
+        worker_args = {**base, "spec": spec, "config": name, "profile_dir": args.profile_dir,
+                       "capture_sizes": capture_sizes(args.capture_sizes, spec, args.batch_sizes, block, on_gpu
+                                                      and not args.eager)}
+        if share > 1:
+            worker_args["gpu_memory_utilization"] = round(base["gpu_memory_utilization"] / share, 3)
         if args.profile_dir:  # the engine core in the worker's process, where the profiler runs
             env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         timing_dir = None
         if args.step_timing and spec and spec["method"] == "ddtree":
             timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
             env = {**env, step_timing.TIMING_ENV: timing_dir}
-        # The worker's whole output (vLLM logs to stdout, tracebacks go to stderr) streams to a file, so a worker
-        # killed by a time limit still leaves it; it is kept next to the results when the worker fails.
-        if args.out:
-            log_path = Path(args.out).with_suffix(f".{_slug(name)}.log")
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            fd, temp_name = tempfile.mkstemp(".log")
-            os.close(fd)
-            log_path = Path(temp_name)
-        with log_path.open("w") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
-        output = log_path.read_text()
-        result = worker_result(output)
-        if not (args.out and proc.returncode):
-            log_path.unlink()
-        if result is None:
-            print(f"{name}: FAILED\n{output[-4000:]}", file=sys.stderr)
-            results[name] = None
-            continue
-        results[name] = result
-        if timing_dir:
-            meta.setdefault("step_timing", {})[name] = step_timing.read_reports(timing_dir)
-            _print_step_timing(name, meta["step_timing"][name])
-        # Print and save after every configuration: a run cut short by a time limit keeps what it measured.
-        table = summarise(results)
-        print_table([t for t in table if t["config"] == name])
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({"meta": meta, "table": table}, indent=2))
+        runs.append(_launch(name, worker_args, env, args.out, timing_dir))
+        if not args.concurrent:
+            _finish(runs[-1], results, meta, args.out)
+    if args.concurrent:
+        for run in runs:
+            _finish(run, results, meta, args.out)
     print()
     print_table(summarise(results))
     failed = [name for name, res in results.items() if res is None]
     if failed:
         sys.exit(f"failed configurations: {', '.join(failed)}")
+
+
+def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], block: int, graphs: bool) -> list | None:
+    """CUDA-graph capture sizes for one configuration (``--capture-sizes``); None keeps vLLM's default."""
+    if not graphs or choice == "vllm":
+        return None
+    if choice != "auto":
+        return sorted({int(x) for x in choice.split(",")})
+    per_request = 1 + (spec["num_speculative_tokens"] if spec else 0)  # the verify step's (or a decode's) tokens
+    sizes = {b * per_request for b in batch_sizes} | {512}
+    if spec:
+        sizes |= {b * block for b in batch_sizes}  # the drafter's query: 1 + depth <= block tokens per request
+    return sorted(sizes)
+
+
+def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir: str | None) -> dict:
+    """Start one configuration's worker. Its whole output (vLLM logs to stdout, tracebacks go to stderr) streams to
+    a file, so a worker killed by a time limit still leaves it; it is kept next to the results when it fails."""
+    if out:
+        log_path = Path(out).with_suffix(f".{_slug(name)}.log")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        fd, temp_name = tempfile.mkstemp(".log")
+        os.close(fd)
+        log_path = Path(temp_name)
+    cmd = [sys.executable, __file__, "--worker", json.dumps(worker_args)]
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
+    return {"name": name, "proc": proc, "log": log, "log_path": log_path, "timing_dir": timing_dir}
+
+
+def _finish(run: dict, results: dict, meta: dict, out: str | None) -> None:
+    """Wait for a worker, record its result (None if it failed), print and save what is measured so far (a run cut
+    short by a time limit keeps it)."""
+    name = run["name"]
+    returncode = run["proc"].wait()
+    run["log"].close()
+    output = run["log_path"].read_text()
+    result = worker_result(output)
+    if not (out and returncode):
+        run["log_path"].unlink()
+    if result is None:
+        print(f"{name}: FAILED\n{output[-4000:]}", file=sys.stderr)
+        results[name] = None
+        return
+    results[name] = result
+    if run["timing_dir"]:
+        meta.setdefault("step_timing", {})[name] = step_timing.read_reports(run["timing_dir"])
+        _print_step_timing(name, meta["step_timing"][name])
+    table = summarise(results)
+    print_table([t for t in table if t["config"] == name])
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"meta": meta, "table": table}, indent=2))
 
 
 def worker_result(output: str) -> dict | None:

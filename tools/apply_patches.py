@@ -8,9 +8,11 @@
 
 Safety, in order: the vLLM version must be the pinned one; every target file's sha256 must be its pristine or its
 patched hash from ``patches/vllm-<version>/manifest.json`` (anything else is refused, naming the file, and nothing
-is written); all new contents are built and hash-verified in memory before the first write; writes go through a
-temporary file and ``os.replace``; if any write fails, the files already written are restored. Only the standard
-library is used, so this runs before (and without) importing vLLM.
+is written); every file whose private methods or attributes vllm_ddtree overrides or calls (the manifest's
+``overrides``, each with the names it relies on) must be byte for byte vLLM's, so a vLLM that moved them is refused
+before it can fail mid-serving; all new contents are built and hash-verified in memory before the first write;
+writes go through a temporary file and ``os.replace``; if any write fails, the files already written are restored.
+Only the standard library is used, so this runs before (and without) importing vLLM.
 
 Maintainers regenerate the manifest from a pristine vLLM with ``refresh-manifest`` after editing a patch.
 """
@@ -182,6 +184,7 @@ class PatchSet:
     patch_files: list[Path]
     file_patches: dict[str, list[FilePatch]]  # target path -> its patches, in application order
     manifest: dict[str, dict[str, str]]  # target path -> {"pristine": sha, "patched": sha}
+    overrides: dict[str, dict]  # unpatched file vllm_ddtree subclasses into -> {"sha256": sha, "uses": [names]}
 
 
 def load_patch_set(version: str = REQUIRED_VLLM, root: Path = PATCH_ROOT) -> PatchSet:
@@ -194,8 +197,8 @@ def load_patch_set(version: str = REQUIRED_VLLM, root: Path = PATCH_ROOT) -> Pat
         for fp in parse_patch(pf.read_text(), pf.name):
             file_patches.setdefault(fp.path, []).append(fp)
     manifest_path = directory / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())["files"] if manifest_path.exists() else {}
-    return PatchSet(directory, patch_files, file_patches, manifest)
+    data = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    return PatchSet(directory, patch_files, file_patches, data.get("files", {}), data.get("overrides", {}))
 
 
 def patched_text(ps: PatchSet, path: str, pristine: str) -> str:
@@ -276,10 +279,28 @@ def _replace_file(target: Path, data: bytes) -> None:
         raise
 
 
+def refuse_moved_overrides(ps: PatchSet, root: Path) -> None:
+    """The files vllm_ddtree subclasses into must be exactly the ones its overrides were written against."""
+    moved = []
+    for path, entry in ps.overrides.items():
+        target = root / path
+        if not target.is_file() or sha256(target.read_bytes()) != entry["sha256"]:
+            moved.append(f"  {target}: {'missing' if not target.is_file() else 'changed'}; vllm_ddtree relies on "
+                         + ", ".join(entry["uses"]))
+    if moved:
+        raise PatchError(
+            f"refusing to patch vLLM: vllm_ddtree overrides private parts of these vLLM {REQUIRED_VLLM} files, which "
+            "differ from the ones it was written against:\n" + "\n".join(moved)
+            + f"\nReinstall vLLM (pip install --force-reinstall --no-deps vllm=={REQUIRED_VLLM}); nothing was changed."
+        )
+
+
 def plan(ps: PatchSet, root: Path, direction: str) -> dict[str, bytes]:
     """New contents for every file that must change for `direction` ('apply' or 'revert'), hash-verified."""
     states = file_states(ps, root)
     refuse_unknown(states, root)
+    if direction == "apply":
+        refuse_moved_overrides(ps, root)
     todo_state, want = ("pristine", "patched") if direction == "apply" else ("patched", "pristine")
     contents: dict[str, bytes] = {}
     for path, state in states.items():
@@ -345,9 +366,11 @@ def cmd_refresh_manifest(ps: PatchSet, root: Path) -> int:
         if pristine_text(ps, path, patched.decode("utf-8")).encode("utf-8") != pristine:
             raise PatchError(f"{path}: patches do not reverse cleanly")
         files[path] = {"pristine": sha256(pristine), "patched": sha256(patched)}
-    manifest = {"vllm_version": REQUIRED_VLLM, "files": dict(sorted(files.items()))}
+    overrides = {path: {"sha256": sha256((root / path).read_bytes()), "uses": entry["uses"]}
+                 for path, entry in sorted(ps.overrides.items())}
+    manifest = {"vllm_version": REQUIRED_VLLM, "files": dict(sorted(files.items())), "overrides": overrides}
     (ps.directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    print(f"wrote {ps.directory / 'manifest.json'} ({len(files)} files)")
+    print(f"wrote {ps.directory / 'manifest.json'} ({len(files)} patched files, {len(overrides)} overridden)")
     return 0
 
 

@@ -11,25 +11,25 @@
 #          drafter comes back split in $OUT
 #   drafter  unpack a drafter trained in an earlier session (.gpu/m*/trained_drafter.tar.part-*) into $TRAINED
 #          (not needed for the one in fixtures/, the default)
-#   equality  greedy float32 equality, DDTree vs no-spec on the same runner and backend, SmolLM2 + drafter
-#   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (float32, oracle drafter); if they
-#          fail, again with the tree kernel outside graphs (VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0), which later
-#          phases then keep when only it passed
+#   equality  greedy float32 (IEEE dots) equality of DDTree B=16/64 and no-spec on the default path (Model Runner V2,
+#          async scheduling, CUDA graphs), SmolLM2 + the trained drafter, 16 held-out prompts x 96 tokens, batch 1
+#          and 8; the engines run at once (outputs only)
+#   speed  bf16 tokens/s, SmolLM2 pair: no-spec, the DFlash chain and DDTree B=16/64 as vLLM runs them, batch 1
+#          and 8, outputs differing from no-spec (FlashAttention 3) counted
+#   profile  issue 19's kernel-level profile: per-kernel device time per decode step inside CUDA graphs, the chain
+#          against DDTree on a Qwen3-8B-shaped random target, plus FlashAttention 3 against the tree kernel at
+#          verify shapes (benchmarks/kernel_profile.py)
+#   tax    the tree tax on the Qwen3-8B shape: step times at batch 1, 8, 32 (bench_e2e.py --shape qwen3-8b)
+#   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (V1 runner: the oracle drafter's
+#          seam is in the V1 adapter; float32)
 #   core   tree-core micro-benchmarks (build, walk, attention, compaction; CUDA graphs; checked against references)
-#   e2e    no-spec vs DFlash chain (default runner and V1) vs DDTree, CUDA graphs on, bf16, held-out prompts
 #   acceptance  τ by budget, chain vs tree, T=0 and T=1 (benchmarks/acceptance.py) for the trained drafter
-#   tax    the tree tax on a Qwen3-8B-shaped random target (bench_e2e.py --shape qwen3-8b --step-timing)
 #   quality  lm-eval quality regression, no-spec vs DDTree servers, bf16 (benchmarks/quality_regression.py)
 #   load   the load and fault test of the server (benchmarks/load_test.py)
-#   mrv2   DDTree on Model Runner V2 (VLLM_DDTREE_MRV2=1): float32 greedy equality against no-spec on MRV2 with
-#          TRITON_ATTN, then bf16 tokens/s against the chain as users run it (MRV2), with the step breakdown at batch 1
-#          (MRV2_PARTS picks among "equality e2e timing")
-#   mrv2probe  MRV2 bring-up: the smallest ddtree engine on Model Runner V2, eager then with CUDA graphs, every
-#          engine process dumping its stacks every 20 s (VLLM_DDTREE_HANG_DUMP_S) so a hang shows where
+#   hybrid  the hybrid (GatedDeltaNet) lossless test on GPU, CUDA graphs (issue 20)
+#   hybridbench  step time of no-spec, the chain and DDTree on a Qwen3.6-27B-patterned random hybrid
 #   tp     the TP=2 engine test on two GPUs
 #   tpprobe  TP=2 engine start-up, no-spec and ddtree, eager and with graphs (finds what the tp phase trips on)
-#   hybrid  greedy float32 equality of DDTree on a tiny GatedDeltaNet hybrid (issue 9), CUDA graphs
-#   hybridbench  step time of no-spec, the chain and DDTree on a Qwen3.6-27B-patterned random hybrid at TP=2
 #   tpbench  tokens/s at TP=2: no-spec, chain, DDTree on a Qwen3-8B-shaped random target (bench_e2e.py -tp 2)
 # Usage (on the GPU host, repo root): OUT=... bash tools/gpu_session.sh [phase ...]
 set -uo pipefail
@@ -86,38 +86,63 @@ phase_acceptance() {
   tail -30 "$RESULTS/acceptance.log"
 }
 
-phase_tax() {
-  # The tree tax on a Qwen3-8B-shaped target with random in-memory weights: nothing is accepted, so the ratio of
-  # step times is the cost of verifying a B-node tree (plus build and walk) against the chain's 15 drafts.
-  # On Model Runner V2: TAX_ARGS=--mrv2 TAX_CONFIGS="dflash,ddtree B=16 MRV2,ddtree B=64 MRV2".
-  timeout "${TAX_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
-    --budgets ${TAX_BUDGETS:-16 64 128 32} --batch-sizes 1 --max-tokens 64 --num-prompts 4 --chain-v1 --step-timing \
-    ${TAX_CONFIGS:+--configs "$TAX_CONFIGS"} ${TAX_ARGS:-} \
-    --out "$RESULTS/tax.json" > "$RESULTS/tax.log" 2>&1
-  tail -40 "$RESULTS/tax.log"
+
+
+phase_equality() {
+  # Issue 18: the default path is lossless. Float32 with IEEE dots (Triton's float32 default is TF32), async
+  # scheduling and CUDA graphs as vLLM sets them; the stale-tree check raises on any hand-over bug.
+  local target drafter
+  read -r target drafter < <(smollm2_pair)
+  VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-330}" python3 benchmarks/bench_e2e.py \
+    --model "$target" --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
+    --max-tokens 96 --dtype float32 --concurrent --configs "${EQUALITY_CONFIGS:-no-spec,ddtree B=16,ddtree B=64}" \
+    --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
+  tail -12 "$RESULTS/equality.log"
+}
+
+phase_speed() {
+  # Issue 18/19: bf16 tokens/s as vLLM runs each method (the chain on Model Runner V2 with FlashAttention 3),
+  # SmolLM2 + the trained drafter, 12 held-out prompts x 128 tokens, every ratio from this one run.
+  local target drafter
+  read -r target drafter < <(smollm2_pair)
+  timeout "${SPEED_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
+    --prompt-set heldout --num-prompts 12 --budgets ${SPEED_BUDGETS:-16 64} --batch-sizes ${SPEED_BATCHES:-1 8} \
+    --max-tokens 128 ${SPEED_ARGS:-} --configs "${SPEED_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" \
+    --out "$RESULTS/speed_bf16.json" > "$RESULTS/speed.log" 2>&1
+  tail -16 "$RESULTS/speed.log"
 }
 
 phase_profile() {
   # Issue 19's kernel-level profile: per-kernel device time per decode step inside CUDA graphs (torch profiler,
   # engine in-process), the chain against DDTree, on a Qwen3-8B-shaped random target (nothing accepted), then the
-  # comparison table (benchmarks/kernel_profile.py). PROFILE_RUNS: "configs|budgets|batches|capture" groups.
+  # comparison table (benchmarks/kernel_profile.py). PROFILE_RUNS: "configs|budgets|batches" groups.
   # Attention micro-benchmarks first: our tree kernel against FlashAttention 3 at verify shapes.
-  timeout 120 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_prefix \
+  timeout 150 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_prefix \
     --batches 1,8 --budgets 16,64 --graph --context "${PROFILE_CONTEXT:-1024}" --out "$RESULTS/attention_core.json" \
     > "$RESULTS/attention_core.log" 2>&1
   tail -14 "$RESULTS/attention_core.log"
-  local run configs budgets batches capture
-  for run in ${PROFILE_RUNS:-"dflash,ddtree_B=16_MRV2|16|1_8|136" "ddtree_B=64_MRV2|64|1|65"}; do
-    IFS='|' read -r configs budgets batches capture <<< "$run"
-    timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" --mrv2 \
+  local run configs budgets batches
+  for run in ${PROFILE_RUNS:-"dflash,ddtree_B=16|16|1_8" "ddtree_B=64|64|1"}; do
+    IFS='|' read -r configs budgets batches <<< "$run"
+    timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
       --budgets ${budgets//_/ } --batch-sizes ${batches//_/ } --max-tokens 48 --num-prompts 8 \
-      --tree-capture-size "$capture" --configs "${configs//_/ }" --profile-dir "$RESULTS/profile" \
+      --configs "${configs//_/ }" --profile-dir "$RESULTS/profile" \
       --out "$RESULTS/profile_e2e_${budgets}.json" > "$RESULTS/profile_e2e_${budgets}.log" 2>&1
     tail -8 "$RESULTS/profile_e2e_${budgets}.log"
   done
   python3 benchmarks/kernel_profile.py "$RESULTS/profile" --out "$RESULTS/profile_compare.json" \
     > "$RESULTS/profile_compare.log" 2>&1
   head -c 9000 "$RESULTS/profile_compare.log"
+}
+
+phase_tax() {
+  # The tree tax on a Qwen3-8B-shaped target with random in-memory weights: nothing is accepted, so the ratio of
+  # step times is the cost of verifying a B-node tree (plus build and walk) against the chain's 15 drafts.
+  timeout "${TAX_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
+    --budgets ${TAX_BUDGETS:-16 64} --batch-sizes ${TAX_BATCHES:-1 8 32} --max-tokens 64 --num-prompts 32 \
+    --configs "${TAX_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" ${TAX_ARGS:-} \
+    --out "$RESULTS/tax.json" > "$RESULTS/tax.log" 2>&1
+  tail -24 "$RESULTS/tax.log"
 }
 
 run_equality_tests() {
@@ -149,14 +174,8 @@ phase_hybridbench() {
 }
 
 phase_tests() {
-  if run_equality_tests > "$RESULTS/tests.log" 2>&1; then tail -30 "$RESULTS/tests.log"; return; fi
-  tail -60 "$RESULTS/tests.log"
-  log "tests failed; again with the tree kernel outside CUDA graphs"
-  if VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0 run_equality_tests > "$RESULTS/tests_kernel_eager.log" 2>&1; then
-    export VLLM_DDTREE_TREE_KERNEL_IN_GRAPHS=0
-    log "only the eager tree kernel passed: later phases use it"
-  fi
-  tail -30 "$RESULTS/tests_kernel_eager.log"
+  run_equality_tests > "$RESULTS/tests.log" 2>&1
+  tail -30 "$RESULTS/tests.log"
 }
 
 phase_core() {
@@ -180,79 +199,9 @@ phase_drafter() {
   cat $(ls .gpu/m*/trained_drafter.tar.part-* | sort) | tar -x -C "$(dirname "$TRAINED")" && ls -la "$TRAINED"
 }
 
-phase_equality() {
-  # Greedy float32 equality on the real pair with CUDA graphs, against no-spec on DDTree's runner and backend,
-  # every Triton dot in IEEE float32 (Triton's float32 default is TF32, which vLLM's attention would use and ours
-  # does not): a difference is then DDTree's, not rounding's. VLLM_DDTREE_CHECK_TREES raises if a verified tree is
-  # not what vLLM scheduled.
-  local target drafter
-  read -r target drafter < <(smollm2_pair)
-  VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-330}" python3 benchmarks/bench_e2e.py \
-    --model "$target" --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
-    --max-tokens 96 --dtype float32 --same-backend-baselines --async-ab --tree-capture-size 1024 \
-    --configs "${EQUALITY_CONFIGS:-no-spec V1+tri,ddtree B=16,ddtree B=64 async}" \
-    --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
-  tail -20 "$RESULTS/equality.log"
-}
 
-phase_e2e() {
-  local target drafter
-  read -r target drafter < <(smollm2_pair)
-  timeout "${E2E_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
-    --prompt-set heldout --num-prompts "${NUM_PROMPTS:-24}" --budgets ${BUDGETS:-16 32 64} \
-    --batch-sizes ${BATCHES:-1 8} --max-tokens "${MAX_TOKENS:-128}" --same-backend-baselines \
-    --tree-kernel-ab ${E2E_ARGS:-} ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} --out "$RESULTS/bench_e2e.json" \
-    > "$RESULTS/e2e.log" 2>&1
-  tail -40 "$RESULTS/e2e.log"
-}
 
-phase_mrv2() {
-  # MRV2_PARTS (default "equality e2e timing"): float32 greedy equality, bf16 tokens/s, the batch-1 step breakdown.
-  local target drafter parts=" ${MRV2_PARTS:-equality e2e timing} "
-  [[ -n ${MRV2_EQUALITY_ONLY:-} ]] && parts=" equality "
-  read -r target drafter < <(smollm2_pair)
-  local common=(--model "$target" --drafter "$drafter" --prompt-set heldout --mrv2 --tree-capture-size 1024)
-  if [[ $parts == *" equality "* ]]; then
-    VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${MRV2_EQUALITY_TIMEOUT:-240}" \
-      python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
-      --max-tokens 96 --dtype float32 --same-backend-baselines \
-      --configs "${MRV2_EQUALITY_CONFIGS:-no-spec MRV2+tri,ddtree B=16 MRV2,ddtree B=64 MRV2}" \
-      --out "$RESULTS/mrv2_equality_fp32.json" > "$RESULTS/mrv2_equality.log" 2>&1
-    tail -12 "$RESULTS/mrv2_equality.log"
-  fi
-  if [[ $parts == *" e2e "* ]]; then
-    # --same-backend-baselines makes "no-spec MRV2+tri" and "dflash MRV2+tri" available to MRV2_E2E_CONFIGS: the
-    # bf16 count of outputs differing from no-spec on DDTree's own attention kernel (on FlashAttention the chain's
-    # verify rounds as no-spec's decode, DDTree's Triton tree kernel does not: 0/24 vs 18/24 on 2026-11-30).
-    timeout "${MRV2_E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 24 \
-      --same-backend-baselines --budgets ${MRV2_BUDGETS:-16 32 64} --batch-sizes ${MRV2_BATCHES:-1 8} \
-      --max-tokens 128 \
-      --configs "${MRV2_E2E_CONFIGS:-no-spec,dflash,ddtree B=16 MRV2,ddtree B=32 MRV2,ddtree B=64 MRV2}" \
-      --out "$RESULTS/mrv2_e2e.json" > "$RESULTS/mrv2_e2e.log" 2>&1
-    tail -24 "$RESULTS/mrv2_e2e.log"
-  fi
-  if [[ $parts == *" timing "* ]]; then
-    # The step breakdown at batch 1, with the chain of the same call for reference (MRV2_TIMING_BUDGET, default 16).
-    local timing_budget=${MRV2_TIMING_BUDGET:-16}
-    timeout "${MRV2_TIMING_TIMEOUT:-200}" python3 benchmarks/bench_e2e.py "${common[@]}" --num-prompts 8 \
-      --budgets "$timing_budget" --batch-sizes 1 --max-tokens 128 --step-timing \
-      --configs "dflash,ddtree B=$timing_budget MRV2" \
-      --out "$RESULTS/mrv2_step_timing.json" > "$RESULTS/mrv2_step_timing.log" 2>&1
-    tail -16 "$RESULTS/mrv2_step_timing.log"
-  fi
-}
 
-phase_mrv2probe() {
-  local target drafter mode
-  read -r target drafter < <(smollm2_pair)
-  for mode in ${MRV2PROBE_MODES:-eager graphs}; do
-    VLLM_DDTREE_CHECK_TREES=1 VLLM_DDTREE_HANG_DUMP_S=20 timeout "${MRV2PROBE_TIMEOUT:-240}" \
-      python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" --mrv2 --budgets 16 \
-      --batch-sizes 1 2 --max-tokens 24 --num-prompts 2 --configs "ddtree B=16 MRV2" --gpu-memory-utilization 0.3 \
-      $([[ $mode == eager ]] && echo --eager) --out "$RESULTS/mrv2probe_$mode.json" > "$RESULTS/mrv2probe_$mode.log" 2>&1
-    echo "mrv2probe $mode exit $?"; tail -8 "$RESULTS/mrv2probe_$mode.log"
-  done
-}
 
 phase_quality() {
   # lm-eval quality regression as users would run it on GPU: bf16, the no-spec server on vLLM's defaults; every
@@ -271,7 +220,7 @@ phase_load() {
 }
 
 phase_tp() {
-  VLLM_DDTREE_TEST_LOG_DIR="$RESULTS/tp_engine_logs" VLLM_DDTREE_TEST_CUDA_GRAPHS=1 VLLM_DDTREE_HANG_DUMP_S=30 \
+  VLLM_DDTREE_TEST_LOG_DIR="$RESULTS/tp_engine_logs" VLLM_DDTREE_TEST_CUDA_GRAPHS=1 \
     timeout "${TP_TIMEOUT:-240}" \
     python3 -m pytest -x -q -p no:cacheprovider tests/engine/test_ddtree_engine.py -k tensor_parallel \
     > "$RESULTS/tp.log" 2>&1
@@ -280,13 +229,12 @@ phase_tp() {
 
 phase_tpprobe() {
   # Which part of a TP=2 engine start fails on the GPUs, on the tiny Llama (TPPROBE_CONFIGS of no-spec and the chain
-  # on DDTree's V1 runner and backend, ddtree on V1 and on MRV2; TPPROBE_BATCHES; TPPROBE_MODES): eager or with CUDA
-  # graphs; a mode containing
-  # -no-custom-ar turns vLLM's custom all-reduce off, -no-ddtree-graphs replays none of DDTree's own graphs
-  # (VLLM_DDTREE_CUDA_GRAPHS=0), -blocking sets CUDA_LAUNCH_BLOCKING=1 so an illegal memory access is reported by the
-  # kernel that made it, -capture-once replays no drafter graph while vLLM captures (VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=1,
-  # cuda_graphs.DrafterCaptureOnce against the suspect; the default under TP since 2026-11-30, so modes without it set
-  # it to 0 and show the old behaviour). Each engine's whole log is kept next to the JSON when it fails.
+  # on the V1 runner with TRITON_ATTN, ddtree on its default runner and on V1; TPPROBE_BATCHES; TPPROBE_MODES): eager
+  # or with CUDA graphs; a mode containing -no-custom-ar turns vLLM's custom all-reduce off, -blocking sets
+  # CUDA_LAUNCH_BLOCKING=1 so an illegal memory access is reported by the kernel that made it, -capture-once replays
+  # no drafter graph while vLLM's V1 runner captures (VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=1, cuda_graphs.DrafterCaptureOnce
+  # against the suspect; the default under TP since 2026-11-30, so modes without it set it to 0 and show the old
+  # behaviour). Each engine's whole log is kept next to the JSON when it fails.
   # 2026-11-30: ddtree started with graphs at batch 1 (max_num_seqs 1); on the Qwen3-8B shape with max_num_seqs 8 both
   # workers died in vLLM's CUDA-graph memory profile with "custom_all_reduce.cuh:455 an illegal memory access".
   # TPPROBE_SHAPE (e.g. qwen3-8b) probes a random-weight shaped target instead of the tiny Llama.
@@ -298,12 +246,11 @@ t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))
   python3 -c 'import torch; print("peer access 0->1:", torch.cuda.can_device_access_peer(0, 1))'
   for mode in ${TPPROBE_MODES:-eager graphs}; do
     BENCH_DISABLE_CUSTOM_ALL_REDUCE=$([[ $mode == *-no-custom-ar* ]] && echo 1 || echo 0) \
-      VLLM_DDTREE_CUDA_GRAPHS=$([[ $mode == *-no-ddtree-graphs* ]] && echo 0 || echo 1) VLLM_DDTREE_HANG_DUMP_S=30 \
       CUDA_LAUNCH_BLOCKING=$([[ $mode == *-blocking* ]] && echo 1 || echo 0) \
       VLLM_DDTREE_DRAFTER_CAPTURE_ONCE=$([[ $mode == *-capture-once* ]] && echo 1 || echo 0) \
       timeout "${TPPROBE_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py "${models[@]}" -tp 2 \
       --budgets 16 --batch-sizes ${TPPROBE_BATCHES:-1 4} --max-tokens 16 --num-prompts 4 --same-backend-baselines \
-      --mrv2 --configs "${TPPROBE_CONFIGS:-no-spec V1+tri,dflash V1+tri,ddtree B=16,ddtree B=16 MRV2}" \
+      --v1 --configs "${TPPROBE_CONFIGS:-no-spec V1+tri,dflash V1+tri,ddtree B=16,ddtree B=16 V1}" \
       $([[ $mode == eager* ]] && echo --eager) \
       --out "$RESULTS/tpprobe_$mode.json" > "$RESULTS/tpprobe_$mode.log" 2>&1
     echo "tpprobe $mode exit $?"; tail -8 "$RESULTS/tpprobe_$mode.log"

@@ -42,7 +42,7 @@ class TreeHandover:
         self.epoch += 1
         for name in TREE_STATE_FIELDS:
             getattr(self.trees, name).index_copy_(0, slots, getattr(batch_trees, name)[:num_reqs])
-        self.stamp.index_copy_(0, slots, self.epoch.expand(num_reqs))
+        self.stamp.index_copy_(0, slots, self.epoch.expand(num_reqs).clone())
 
 
 class RequestSlots:

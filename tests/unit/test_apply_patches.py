@@ -44,7 +44,8 @@ def pristine_target(ps, installed: Path, path: str) -> str:
 
 @pytest.fixture()
 def fake_vllm(tmp_path: Path) -> Path:
-    """A site-packages-like dir with vllm/__init__.py, _version.py and pristine copies of every target file."""
+    """A site-packages-like dir with vllm/__init__.py, _version.py and pristine copies of every target file and of
+    every file vllm_ddtree overrides parts of."""
     installed = ap.find_vllm_root(None)
     ps = ap.load_patch_set()
     (tmp_path / "vllm").mkdir()
@@ -56,6 +57,10 @@ def fake_vllm(tmp_path: Path) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(text)
         assert sha(dest) == ps.manifest[path]["pristine"]
+    for path in ps.overrides:
+        dest = tmp_path / path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes((installed / path).read_bytes())
     return tmp_path
 
 
@@ -119,6 +124,23 @@ def test_refuses_tampered_file_and_changes_nothing(fake_vllm: Path):
         assert snapshot(fake_vllm) == before, f"{command} changed files despite refusing"
     r = run(fake_vllm, "status")
     assert r.returncode == 1 and "unknown" in r.stdout
+
+
+def test_refuses_a_vllm_whose_overridden_privates_moved(fake_vllm: Path):
+    """Every private we override is listed with its file's pristine hash: a changed file is refused at apply/check
+    time (naming what we rely on), while revert still restores a patched install."""
+    ps = ap.load_patch_set()
+    assert "vllm/v1/spec_decode/llm_base_proposer.py" in ps.overrides
+    assert "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py" in ps.overrides
+    victim = "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"
+    with open(fake_vllm / victim, "a") as f:
+        f.write("# a newer vLLM\n")
+    before = snapshot(fake_vllm)
+    for command in ("apply", "check"):
+        r = run(fake_vllm, command)
+        assert r.returncode == 2 and victim in r.stderr and "_generate_draft" in r.stderr
+        assert snapshot(fake_vllm) == before
+    assert run(fake_vllm, "revert").returncode == 0
 
 
 def test_refuses_wrong_version(fake_vllm: Path):

@@ -409,7 +409,7 @@ def test_step_relayout_moves_live_rows_only_even_when_padding_rows_name_their_bl
         expected.append((conv_e, ssm_e))
 
     target = HybridTreeTarget.__new__(HybridTreeTarget)
-    target.verifier = SimpleNamespace(budget=budget)
+    target.verifier = SimpleNamespace(budget=budget, cuda_graphs=False)
     target.device = torch.device("cpu")
     target.runner = SimpleNamespace(input_batch=SimpleNamespace(
         block_table=[SimpleNamespace(get_device_tensor=lambda n: table[:n])]))

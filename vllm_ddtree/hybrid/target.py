@@ -39,7 +39,7 @@ def conv_state_view(layer) -> torch.Tensor:
 
 
 class HybridTreeTarget:
-    """Per worker; ``verifier`` is the V1 ``TreeVerifier`` (its static ``trees`` and ``tree_rows``)."""
+    """Per worker; ``verifier`` is the ``TreeVerifyCore`` (its static ``verify_trees`` and ``tree_rows``; V1 runner)."""
 
     def __init__(self, verifier, runner, device: torch.device):
         self.verifier = verifier
@@ -64,7 +64,7 @@ class HybridTreeTarget:
         width = _conv_width(self.runner)
         max_tokens = self.runner.vllm_config.scheduler_config.max_num_batched_tokens
         num_layers = self.runner.vllm_config.model_config.hf_text_config.num_hidden_layers  # bounds the GDN groups
-        hooks = GDNTreeHooks(self.verifier.trees, self.verifier.tree_rows, max_tokens, width, self.device,
+        hooks = GDNTreeHooks(self.verifier.verify_trees, self.verifier.tree_rows, max_tokens, width, self.device,
                              max_groups=num_layers)
         qwen_gdn_linear_attn.SPEC_CONV_UPDATE = hooks.conv_update
         qwen_gdn_linear_attn.SPEC_RECURRENT_UPDATE = hooks.recurrent_update
@@ -78,7 +78,7 @@ class HybridTreeTarget:
         parents = torch.empty(mixed_qkv_spec.shape[0], dtype=torch.int32)
         spec_token_parents(
             attn_metadata.spec_sequence_masks, attn_metadata.spec_query_start_loc[: num_spec + 1],
-            self.verifier.trees.parents, self.verifier.tree_rows, parents,
+            self.verifier.verify_trees.parents, self.verifier.tree_rows, parents,
         )
         return tree_spec_forward_cpu(
             layer, attn_metadata, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, width, state_len, parents
@@ -97,7 +97,8 @@ class HybridTreeTarget:
             self._accepted, self._num_accepted = accepted, num_accepted
             max_reqs = accepted.shape[0]
             self._num_live = torch.zeros((), dtype=torch.int64, device=self.device)
-            self._graphs = GraphedStep(self._relayout_rows, largest_bucket(max_reqs), self.device, idempotent=False)
+            self._graphs = GraphedStep(self._relayout_rows, largest_bucket(max_reqs), self.device, idempotent=False,
+                                       enabled=self.verifier.cuda_graphs)
         assert accepted is self._accepted and num_accepted is self._num_accepted, "the walk's static buffers"
         self._num_live.fill_(num_reqs)
         self._graphs(num_reqs)

@@ -299,8 +299,10 @@ def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], block:
         return None
     if choice != "auto":
         return sorted({int(x) for x in choice.split(",")})
-    per_request = 1 + (spec["num_speculative_tokens"] if spec else 0)  # the verify step's (or a decode's) tokens
-    sizes = {b * per_request for b in batch_sizes} | {512}
+    # The verify step's (or a decode's) tokens per request; an adaptive budget verifies 1 + b for each of its b.
+    widths = {1 + (spec["num_speculative_tokens"] if spec else 0)}
+    widths |= {1 + entry[2] for entry in (spec or {}).get("num_speculative_tokens_per_batch_size") or ()}
+    sizes = {b * w for b in batch_sizes for w in widths} | {512}
     if spec:
         sizes |= {b * block for b in batch_sizes}  # the drafter's query: 1 + depth <= block tokens per request
     return sorted(sizes)

@@ -381,6 +381,8 @@ def run_case(name: str, case: Case, args) -> dict:
         row["skipped"] = f"ImportError: {exc}"[:200]
     except torch.OutOfMemoryError:
         row["skipped"] = "out of memory"
+    except (RuntimeError, ValueError) as exc:  # e.g. a library refusing a shape: report it, time the rest
+        row["skipped"] = f"{type(exc).__name__}: {exc}"[:200]
     if case.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return row

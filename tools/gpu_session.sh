@@ -11,9 +11,10 @@
 #          drafter comes back split in $OUT
 #   drafter  unpack a drafter trained in an earlier session (.gpu/m*/trained_drafter.tar.part-*) into $TRAINED
 #          (not needed for the one in fixtures/, the default)
-#   equality  greedy float32 (IEEE dots) equality of DDTree B=16/64 and no-spec on the default path (Model Runner V2,
-#          async scheduling, CUDA graphs), SmolLM2 + the trained drafter, 16 held-out prompts x 96 tokens, batch 1
-#          and 8; the engines run at once (outputs only)
+#   probe  bring-up of the default path (no-spec and ddtree B=16, SmolLM2 pair, a few tokens), before long phases
+#   equality  greedy float32 (IEEE dots) equality of DDTree B=16/64/adaptive and no-spec on the default path (Model
+#          Runner V2, async scheduling, CUDA graphs), SmolLM2 + the trained drafter, 16 held-out prompts x 96
+#          tokens, batch 1 and 8; the engines run at once (outputs only)
 #   speed  bf16 tokens/s, SmolLM2 pair: no-spec, the DFlash chain and DDTree B=16/64 as vLLM runs them, batch 1
 #          and 8, outputs differing from no-spec (FlashAttention 3) counted
 #   profile  issue 19's kernel-level profile: per-kernel device time per decode step inside CUDA graphs, the chain
@@ -88,6 +89,18 @@ phase_acceptance() {
 
 
 
+phase_probe() {
+  # Bring-up of the default path before the long phases: SmolLM2 + the trained drafter, no-spec and ddtree B=16 at
+  # once, bf16, CUDA graphs, batch 1 and 4, a few tokens; each engine's log is kept when it fails.
+  local target drafter
+  read -r target drafter < <(smollm2_pair)
+  VLLM_DDTREE_CHECK_TREES=1 timeout "${PROBE_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py --model "$target" \
+    --drafter "$drafter" --prompt-set heldout --num-prompts 4 --budgets 16 --batch-sizes 1 4 --max-tokens 24 \
+    --concurrent --configs "no-spec,ddtree B=16" --out "$RESULTS/probe.json" > "$RESULTS/probe.log" 2>&1
+  echo "probe exit $?"; tail -8 "$RESULTS/probe.log"
+  grep -h "ddtree runs on\|Traceback\|Error" "$RESULTS"/probe*.log | sort | uniq -c | head -20
+}
+
 phase_equality() {
   # Issue 18: the default path is lossless. Float32 with IEEE dots (Triton's float32 default is TF32), async
   # scheduling and CUDA graphs as vLLM sets them; the stale-tree check raises on any hand-over bug.
@@ -95,7 +108,8 @@ phase_equality() {
   read -r target drafter < <(smollm2_pair)
   VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-330}" python3 benchmarks/bench_e2e.py \
     --model "$target" --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
-    --max-tokens 96 --dtype float32 --concurrent --configs "${EQUALITY_CONFIGS:-no-spec,ddtree B=16,ddtree B=64}" \
+    --max-tokens 96 --dtype float32 --concurrent --budget-schedule "${EQUALITY_SCHEDULE:-[[1, 1, 64], [2, 8, 16]]}" \
+    --configs "${EQUALITY_CONFIGS:-no-spec,ddtree B=16,ddtree B=64,ddtree adaptive}" \
     --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
   tail -12 "$RESULTS/equality.log"
 }
@@ -117,11 +131,14 @@ phase_profile() {
   # engine in-process), the chain against DDTree, on a Qwen3-8B-shaped random target (nothing accepted), then the
   # comparison table (benchmarks/kernel_profile.py). PROFILE_RUNS: "configs|budgets|batches" groups.
   # Attention micro-benchmarks first: our tree kernel against FlashAttention 3 at verify shapes.
-  timeout 150 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_prefix \
-    --batches 1,8 --budgets 16,64 --graph --context "${PROFILE_CONTEXT:-1024}" --out "$RESULTS/attention_core.json" \
-    > "$RESULTS/attention_core.log" 2>&1
-  tail -14 "$RESULTS/attention_core.log"
-  local run configs budgets batches
+  # Context 0 times the tree block alone: FA3 over the prefix + that + a log-sum-exp merge would be the split path.
+  local run configs budgets batches context
+  for context in ${PROFILE_CONTEXTS:-0 1024 4096}; do
+    timeout 120 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_prefix \
+      --batches 1,8 --budgets 16,64 --graph --context "$context" --out "$RESULTS/attention_core_$context.json" \
+      > "$RESULTS/attention_core_$context.log" 2>&1
+    echo "context $context"; tail -13 "$RESULTS/attention_core_$context.log"
+  done
   for run in ${PROFILE_RUNS:-"dflash,ddtree_B=16|16|1_8" "ddtree_B=64|64|1"}; do
     IFS='|' read -r configs budgets batches <<< "$run"
     timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \

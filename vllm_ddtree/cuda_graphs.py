@@ -115,12 +115,11 @@ def warn_if_tensor_parallel_graphs(vllm_config, device: torch.device) -> None:
         return
     logging.getLogger("vllm_ddtree").warning(
         "ddtree: tensor_parallel_size=%d with CUDA graphs has not yet served on a GPU (the one H200 run, Qwen3-8B "
-        "shape at TP=2, died in vLLM's CUDA-graph capture with an illegal memory access reported by the custom "
-        "all-reduce). The drafter's repeated capture-time passes now run eagerly (%s=1 by default under tensor "
-        "parallelism) against the suspected cause; if start-up still dies, try --disable-custom-all-reduce, or "
-        "--enforce-eager", tp, DRAFTER_CAPTURE_ONCE_ENV,
+        "shape at TP=2 on the V1 runner, died in vLLM's CUDA-graph capture with an illegal memory access reported by "
+        "the custom all-reduce; Model Runner V2 at TP=2 has not run). On the V1 runner the drafter's repeated "
+        "capture-time passes run eagerly (%s=1 by default under tensor parallelism) against the suspected cause; if "
+        "start-up still dies, try --disable-custom-all-reduce, or --enforce-eager", tp, DRAFTER_CAPTURE_ONCE_ENV,
     )
-
 
 class DrafterCaptureOnce:
     """While vLLM's V1 runner captures, run the drafter's dummy pass eagerly when its graph for that size was

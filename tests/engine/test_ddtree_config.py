@@ -196,10 +196,12 @@ def test_model_runner_v2_opt_in_falls_back_to_v1_off_gpu(tiny_llama_dir, tiny_ll
     assert config.scheduler_config.async_scheduling is False
 
 
-@pytest.mark.parametrize("opt_in", [False, True])
-def test_model_runner_v2_opt_in_on_a_gpu_platform(tiny_llama_dir, tiny_llama_dflash_dir, monkeypatch, opt_in):
-    """On a platform where Model Runner V2 can run (faked here: CUDA and Triton), ddtree uses it only with
-    VLLM_DDTREE_MRV2=1; without it the engine stays on the V1 runner exactly as before."""
+@pytest.mark.parametrize("v2_env, on_v2", [(None, True), ("0", False)])
+def test_ddtree_runs_on_model_runner_v2_on_a_gpu_platform(tiny_llama_dir, tiny_llama_dflash_dir, monkeypatch, v2_env,
+                                                           on_v2):
+    """On a platform where Model Runner V2 can run (faked here: CUDA and Triton), ddtree uses it with nothing set,
+    with async scheduling on as for the DFlash chain; VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's own switch) still selects
+    the V1 runner, where async scheduling stays off by default."""
     import inspect
 
     import vllm.config.vllm as vllm_config_module
@@ -207,14 +209,15 @@ def test_model_runner_v2_opt_in_on_a_gpu_platform(tiny_llama_dir, tiny_llama_dfl
 
     if "mrv2_gaps" not in inspect.getsource(vllm_config_module.VllmConfig._get_v2_model_runner_unsupported_features):
         pytest.skip("the installed vLLM carries another branch's patch 0001")
-    monkeypatch.setenv("VLLM_DDTREE_MRV2", "1" if opt_in else "0")
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    if v2_env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_env)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
     config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
-    assert config.use_v2_model_runner is opt_in
-    gaps = config._get_v2_model_runner_unsupported_features()
-    assert gaps == ([] if opt_in else ["ddtree speculative decoding"])
+    assert config.use_v2_model_runner is on_v2
+    assert config._get_v2_model_runner_unsupported_features() == []
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.attention import backend as tree_backends
 from vllm_ddtree.config import describe_runner
-from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_trees_outgrow_graphs
+from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_tensor_parallel_graphs, warn_if_trees_outgrow_graphs
 from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
@@ -66,6 +66,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         tree_backends.check_attention_config(vllm_config)
         tree_backends.install()
         warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
+        warn_if_tensor_parallel_graphs(vllm_config, device)
         logger.info(describe_runner(vllm_config, on_mrv2=True))
 
     def load_model(self, target_model: torch.nn.Module) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from ddtree_testkit.offline_models import hybrid_engine_args
 from vllm_ddtree import step_timing
 from vllm_ddtree.config import HYBRID_GPU_ENV, MRV2_ENV
+from vllm_ddtree.hybrid import memory
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
@@ -234,6 +235,7 @@ def main() -> None:
     if args.configs:
         wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
         configs = [c for c in configs if c[0] in wanted]
+    target_config = json.loads((Path(model) / "config.json").read_text())
     base = {
         "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"),
         "prompts": load_prompts(args.prompt_set, args.num_prompts), "tensor_parallel_size": args.tensor_parallel_size,
@@ -241,7 +243,7 @@ def main() -> None:
         "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "batch_sizes": args.batch_sizes,
         "eager": args.eager, "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
         "in_process": not on_gpu and args.tensor_parallel_size == 1,
-        "hybrid": "linear_num_value_heads" in json.loads((Path(model) / "config.json").read_text()),
+        "hybrid": "linear_num_value_heads" in target_config.get("text_config", target_config),
     }
     if base["hybrid"] and on_gpu:
         os.environ.setdefault(HYBRID_GPU_ENV, "1")  # ddtree's GPU hybrid path is experimental (issue 9)
@@ -277,6 +279,8 @@ def main() -> None:
             print(f"{name}: FAILED\n{output[-4000:]}", file=sys.stderr)
             results[name] = None
             continue
+        if base["hybrid"]:
+            result["gdn_state_gib_per_request"] = gdn_state_gib(target_config, spec, args.tensor_parallel_size)
         results[name] = result
         if timing_dir:
             meta.setdefault("step_timing", {})[name] = step_timing.read_reports(timing_dir)
@@ -324,6 +328,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
             })
+            if res.get("gdn_state_gib_per_request") is not None:
+                table[-1]["gdn_state_gib"] = round(res["gdn_state_gib_per_request"] * row["batch"], 3)
             # the same-backend no-spec on this row's runner (DDTree's kernels and rounding, vLLM's own decode)
             same = results.get("no-spec MRV2+tri" if res.get("model_runner") == "V2" else "no-spec V1+tri")
             if same:
@@ -333,11 +339,13 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} {'differ':>7s}")
+    print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} {'differ':>7s}"
+          + (" GDN state GiB" if any("gdn_state_gib" in t for t in table) else ""))
     for t in table:
         print(f"{t['config']:24s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['tau'] or '-':>6} "
               f"{t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
               f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d}"
+              + (f" {t['gdn_state_gib']:13.2f}" if "gdn_state_gib" in t else "")
               + (f" (vs same-backend no-spec {t['outputs_differing_from_same_backend_no_spec']})"
                  if "outputs_differing_from_same_backend_no_spec" in t else ""))
     for t in table:
@@ -352,6 +360,13 @@ def _print_step_timing(name: str, reports: list[dict]) -> None:
         print(f"{name} step breakdown (process {rank}), median ms per step, host / device:")
         for interval, v in report.items():
             print(f"  {interval:26s} {v['host_ms_median']:8.3f} / {v['device_ms_median']:8.3f}  (n={v['count']})")
+
+
+def gdn_state_gib(target_config: dict, spec: dict | None, tp_size: int) -> float:
+    """GDN state vLLM reserves per request for a configuration (hybrid/memory.py: 1 + num_speculative_tokens state
+    blocks per GDN layer, each conv row widened by them; before vLLM pads mamba pages to the attention page size)."""
+    shapes = memory.GDNShapes.from_config(target_config, tp_size)
+    return memory.persistent_bytes_per_request(shapes, spec["num_speculative_tokens"] if spec else 0) / 2**30
 
 
 def _slug(name: str) -> str:

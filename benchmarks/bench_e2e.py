@@ -318,6 +318,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 if ref_row else None
             table.append({
                 "config": name, "batch": row["batch"], "tokens_per_s": round(row["tokens_per_s"], 1),
+                # one engine step emits batch x tau tokens (the batch runs together; batch 1 runs prompts in turn)
+                "ms_per_step": round(1000 * row["batch"] * (row["tau"] or 1) / row["tokens_per_s"], 2),
                 "tau": round(row["tau"], 3) if row["tau"] else None,
                 "vs_no_spec": round(row["tokens_per_s"] / base_tps, 3) if base_tps else None,
                 "vs_chain": round(row["tokens_per_s"] / chain_row["tokens_per_s"], 3) if chain_row else None,
@@ -339,11 +341,12 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} {'differ':>7s}"
+    print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} "
+          f"{'differ':>7s}"
           + (" GDN state GiB" if any("gdn_state_gib" in t for t in table) else ""))
     for t in table:
-        print(f"{t['config']:24s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['tau'] or '-':>6} "
-              f"{t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
+        print(f"{t['config']:24s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['ms_per_step']:8.2f} "
+              f"{t['tau'] or '-':>6} {t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
               f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d}"
               + (f" {t['gdn_state_gib']:13.2f}" if "gdn_state_gib" in t else "")
               + (f" (vs same-backend no-spec {t['outputs_differing_from_same_backend_no_spec']})"

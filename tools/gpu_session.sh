@@ -127,10 +127,13 @@ phase_hybridbench() {
   # and 8; nothing is accepted, so tokens/s is each method's step time; the table's last column is the GDN state
   # vLLM reserves for the batch (B=64 at batch 8 needs 105 GiB of it in today's layout: vLLM then runs fewer
   # requests at once). About 2 minutes per configuration: HYBRIDBENCH_CONFIGS picks them ("no-spec,dflash" and
-  # "ddtree B=16,ddtree B=64" split the four into two calls of about 4 minutes each).
+  # "ddtree B=16,ddtree B=64" split the four into two calls of about 4 minutes each). HYBRID_SCHEDULE adds
+  # "ddtree adaptive" (the adaptive budget: vLLM's num_speculative_tokens_per_batch_size, e.g. '[[1, 1, 64], [2, 8,
+  # 16]]'; it reserves GDN state for its largest budget).
   timeout "${HYBRIDBENCH_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --shape qwen3.6-27b \
     --budgets ${HYBRID_BUDGETS:-16 64} --batch-sizes ${HYBRID_BATCHES:-1 8} --max-tokens 64 --num-prompts 8 \
     --gpu-memory-utilization 0.92 ${HYBRIDBENCH_CONFIGS:+--configs "$HYBRIDBENCH_CONFIGS"} \
+    ${HYBRID_SCHEDULE:+--budget-schedule "$HYBRID_SCHEDULE"} \
     --out "$RESULTS/hybrid_bench${HYBRIDBENCH_TAG:-}.json" > "$RESULTS/hybridbench${HYBRIDBENCH_TAG:-}.log" 2>&1
   tail -25 "$RESULTS/hybridbench${HYBRIDBENCH_TAG:-}.log"
 }

@@ -27,6 +27,7 @@ from pathlib import Path
 from ddtree_testkit.offline_models import hybrid_engine_args
 from vllm_ddtree import step_timing
 from vllm_ddtree.config import HYBRID_GPU_ENV
+from vllm_ddtree.hybrid import memory
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
@@ -247,6 +248,7 @@ def main() -> None:
     if args.configs:
         wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
         configs = [c for c in configs if c[0] in wanted]
+    target_config = json.loads((Path(model) / "config.json").read_text())
     base = {
         "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"),
         "prompts": load_prompts(args.prompt_set, args.num_prompts), "tensor_parallel_size": args.tensor_parallel_size,
@@ -254,7 +256,7 @@ def main() -> None:
         "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "batch_sizes": args.batch_sizes,
         "eager": args.eager, "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
         "in_process": not on_gpu and args.tensor_parallel_size == 1,
-        "hybrid": "linear_num_value_heads" in json.loads((Path(model) / "config.json").read_text()),
+        "hybrid": "linear_num_value_heads" in target_config.get("text_config", target_config),
     }
     if base["hybrid"] and on_gpu:
         os.environ.setdefault(HYBRID_GPU_ENV, "1")  # ddtree's GPU hybrid path is experimental (issue 9)
@@ -280,7 +282,8 @@ def main() -> None:
         if args.step_timing and spec and spec["method"] == "ddtree":
             timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
             env = {**env, step_timing.TIMING_ENV: timing_dir}
-        runs.append(_launch(name, worker_args, env, args.out, timing_dir))
+        gdn_state = gdn_state_gib(target_config, spec, args.tensor_parallel_size) if base["hybrid"] else None
+        runs.append(_launch(name, worker_args, env, args.out, timing_dir, gdn_state))
         if not args.concurrent:
             _finish(runs[-1], results, meta, args.out)
     if args.concurrent:
@@ -308,7 +311,8 @@ def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], block:
     return sorted(sizes)
 
 
-def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir: str | None) -> dict:
+def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir: str | None,
+            gdn_state_gib_per_request: float | None = None) -> dict:
     """Start one configuration's worker. Its whole output (vLLM logs to stdout, tracebacks go to stderr) streams to
     a file, so a worker killed by a time limit still leaves it; it is kept next to the results when it fails."""
     if out:
@@ -321,7 +325,8 @@ def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir
     cmd = [sys.executable, __file__, "--worker", json.dumps(worker_args)]
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
-    return {"name": name, "proc": proc, "log": log, "log_path": log_path, "timing_dir": timing_dir}
+    return {"name": name, "proc": proc, "log": log, "log_path": log_path, "timing_dir": timing_dir,
+            "gdn_state_gib_per_request": gdn_state_gib_per_request}
 
 
 def _finish(run: dict, results: dict, meta: dict, out: str | None) -> None:
@@ -338,6 +343,8 @@ def _finish(run: dict, results: dict, meta: dict, out: str | None) -> None:
         print(f"{name}: FAILED\n{output[-4000:]}", file=sys.stderr)
         results[name] = None
         return
+    if run["gdn_state_gib_per_request"] is not None:
+        result["gdn_state_gib_per_request"] = run["gdn_state_gib_per_request"]
     results[name] = result
     if run["timing_dir"]:
         meta.setdefault("step_timing", {})[name] = step_timing.read_reports(run["timing_dir"])
@@ -369,6 +376,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 if ref_row else None
             table.append({
                 "config": name, "batch": row["batch"], "tokens_per_s": round(row["tokens_per_s"], 1),
+                # one engine step emits batch x tau tokens (the batch runs together; batch 1 runs prompts in turn)
+                "ms_per_step": round(1000 * row["batch"] * (row["tau"] or 1) / row["tokens_per_s"], 2),
                 "tau": round(row["tau"], 3) if row["tau"] else None,
                 "vs_no_spec": round(row["tokens_per_s"] / base_tps, 3) if base_tps else None,
                 "vs_chain": round(row["tokens_per_s"] / chain_row["tokens_per_s"], 3) if chain_row else None,
@@ -379,6 +388,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
             })
+            if res.get("gdn_state_gib_per_request") is not None:
+                table[-1]["gdn_state_gib"] = round(res["gdn_state_gib_per_request"] * row["batch"], 3)
             # the same-backend no-spec on this row's runner (DDTree's kernels and rounding, vLLM's own decode)
             same = results.get("no-spec V1+tri") if res.get("model_runner") == "V1" else None
             if same:
@@ -388,11 +399,14 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} {'differ':>7s}")
+    print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} "
+          f"{'differ':>7s}"
+          + (" GDN state GiB" if any("gdn_state_gib" in t for t in table) else ""))
     for t in table:
-        print(f"{t['config']:24s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['tau'] or '-':>6} "
-              f"{t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
+        print(f"{t['config']:24s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['ms_per_step']:8.2f} "
+              f"{t['tau'] or '-':>6} {t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
               f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d}"
+              + (f" {t['gdn_state_gib']:13.2f}" if "gdn_state_gib" in t else "")
               + (f" (vs same-backend no-spec {t['outputs_differing_from_same_backend_no_spec']})"
                  if "outputs_differing_from_same_backend_no_spec" in t else ""))
     for t in table:
@@ -407,6 +421,13 @@ def _print_step_timing(name: str, reports: list[dict]) -> None:
         print(f"{name} step breakdown (process {rank}), median ms per step, host / device:")
         for interval, v in report.items():
             print(f"  {interval:26s} {v['host_ms_median']:8.3f} / {v['device_ms_median']:8.3f}  (n={v['count']})")
+
+
+def gdn_state_gib(target_config: dict, spec: dict | None, tp_size: int) -> float:
+    """GDN state vLLM reserves per request for a configuration (hybrid/memory.py: 1 + num_speculative_tokens state
+    blocks per GDN layer, each conv row widened by them; before vLLM pads mamba pages to the attention page size)."""
+    shapes = memory.GDNShapes.from_config(target_config, tp_size)
+    return memory.persistent_bytes_per_request(shapes, spec["num_speculative_tokens"] if spec else 0) / 2**30
 
 
 def _slug(name: str) -> str:

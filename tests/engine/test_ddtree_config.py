@@ -188,9 +188,9 @@ def test_explicit_async_scheduling_is_accepted(tiny_llama_dir, tiny_llama_dflash
     assert config.speculative_config.tree_depth == min(budget, 7)
 
 
-def test_model_runner_v2_opt_in_falls_back_to_v1_off_gpu(tiny_llama_dir, tiny_llama_dflash_dir, monkeypatch):
-    """With VLLM_DDTREE_MRV2=1 the CPU platform is still a gap: the V1 runner, and async scheduling off by default."""
-    monkeypatch.setenv("VLLM_DDTREE_MRV2", "1")
+def test_the_cpu_engine_runs_ddtree_on_the_v1_runner(tiny_llama_dir, tiny_llama_dflash_dir, monkeypatch):
+    """The CPU platform is a Model Runner V2 gap: the V1 runner, and async scheduling off by default."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
     assert config.use_v2_model_runner is False
     assert config.scheduler_config.async_scheduling is False

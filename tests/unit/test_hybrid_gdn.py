@@ -287,6 +287,10 @@ def test_memory_numbers():
     assert memory.workspace_bytes(s, 65) == 48 * 65 * 3 * 2**20
     budgets = [memory.max_budget(s, 10 * 2**30, 1, m) for m in ("persistent", "workspace", "replay")]
     assert budgets[0] < budgets[1] < budgets[2] == 128
+    # The README's numbers: concurrent requests that 20 GiB of GDN state holds at TP=1, wired layout vs replay.
+    fits = {b: (memory.max_requests(s, 20 * 2**30, b, "persistent"), memory.max_requests(s, 20 * 2**30, b, "replay"))
+            for b in (16, 64)}
+    assert fits == {16: (7, 89), 64: (1, 44)}
 
 
 # ---------------------------------------------------------------- (5) the hooks vLLM's GDN layer would call

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree import verify_core as verifier
+from vllm_ddtree import verify_core
 
 
 class FakeGroup:
@@ -27,7 +27,7 @@ def accepted() -> torch.Tensor:
 
 def test_agreeing_ranks_pass(monkeypatch, accepted):
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tp_group", lambda: FakeGroup(accepted.clone()))
-    verifier.check_ranks_agree(accepted)
+    verify_core.check_ranks_agree(accepted)
 
 
 def test_disagreeing_ranks_raise(monkeypatch, accepted):
@@ -35,4 +35,4 @@ def test_disagreeing_ranks_raise(monkeypatch, accepted):
     other[0, 2] = 4  # the other rank accepted node 4 instead of 5 at depth 2
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tp_group", lambda: FakeGroup(other))
     with pytest.raises(RuntimeError, match="different tree paths"):
-        verifier.check_ranks_agree(accepted)
+        verify_core.check_ranks_agree(accepted)

@@ -90,25 +90,30 @@ def tree_conv_cpu(
     width: int,
     state_len: int,
 ) -> torch.Tensor:
-    """Conv step of ``_spec_forward`` run per leaf chain; then rolls each conv slot (see module docstring)."""
+    """Conv step of ``_spec_forward`` run per leaf chain; then rolls each conv slot (see module docstring).
+
+    Chains of one length share a single ``F.conv1d`` call, a batch row each (vLLM calls it per sequence, batch 1):
+    on CPUs without bf16 vector units a bf16 depthwise conv costs tens of milliseconds per call whatever its size,
+    and a tree has one chain per leaf. Batch rows are computed independently, so each equals vLLM's own call."""
     w2d = _unpacked_conv_weight(layer)
     dim = w2d.size(0)
     weight = w2d.unsqueeze(1)
     bias = layer.conv1d.bias
     silu = layer.activation == "silu"
     conv_out = torch.empty_like(mixed_qkv_spec)
+    by_length: dict[int, list[int]] = {}
     for c, chain in enumerate(chains.chains):
-        req = chains.chain_request[c]
-        slot_row = conv_buf[conv_slots[req]]  # (dim, state_len)
-        offset = num_accepted[req] - 1
-        x_chain = mixed_qkv_spec[chain].transpose(0, 1).to(slot_row.dtype)
-        conv_in = torch.cat([slot_row[:, offset : offset + width - 1], x_chain], dim=-1).unsqueeze(0)
-        out = F.conv1d(conv_in, weight, bias, groups=dim)[0]  # (dim, T), as vLLM for this chain
+        by_length.setdefault(len(chain), []).append(c)
+    for group in by_length.values():  # one depthwise conv per chain length, each chain a batch row of vLLM's shape
+        conv_in = torch.stack([_conv_input(conv_buf, conv_slots, num_accepted, mixed_qkv_spec, chains, c, width)
+                               for c in group])
+        out = F.conv1d(conv_in, weight, bias, groups=dim)  # (chains, dim, T): vLLM's conv of each chain
         if silu:
             out = F.silu(out)
-        homed = [(pos, tok) for pos, tok in enumerate(chain) if chains.home_chain[tok] == c]
-        positions = torch.tensor([pos for pos, _ in homed], dtype=torch.int64)
-        conv_out[[tok for _, tok in homed]] = out[:, positions].transpose(0, 1).to(conv_out.dtype)
+        for row, c in enumerate(group):
+            homed = [(pos, tok) for pos, tok in enumerate(chains.chains[c]) if chains.home_chain[tok] == c]
+            positions = torch.tensor([pos for pos, _ in homed], dtype=torch.int64)
+            conv_out[[tok for _, tok in homed]] = out[row][:, positions].transpose(0, 1).to(conv_out.dtype)
     for req, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
         if end == start:
             continue
@@ -118,6 +123,15 @@ def tree_conv_cpu(
         slot_row[:, : width - 2] = kept
         slot_row[:, width - 2 : width - 2 + end - start] = mixed_qkv_spec[start:end].transpose(0, 1)
     return conv_out
+
+
+def _conv_input(conv_buf, conv_slots, num_accepted, mixed_qkv_spec, chains: LeafChains, c: int, width: int):
+    """Chain c's conv input as vLLM builds it: ``[committed columns, x of the chain's tokens]`` ``(dim, w-1+T)``."""
+    req = chains.chain_request[c]
+    slot_row = conv_buf[conv_slots[req]]  # (dim, state_len)
+    offset = num_accepted[req] - 1
+    x_chain = mixed_qkv_spec[chains.chains[c]].transpose(0, 1).to(slot_row.dtype)
+    return torch.cat([slot_row[:, offset : offset + width - 1], x_chain], dim=-1)
 
 
 def tree_gdn_cpu(

@@ -42,6 +42,15 @@ class GDNShapes:
     def state_elems(self) -> int:
         return self.num_v_heads * self.head_v_dim * self.head_k_dim
 
+    @classmethod
+    def from_config(cls, config: dict, tp_size: int = 1) -> GDNShapes:
+        """From a model's config.json (Qwen3-Next at the top level, Qwen3.5/3.6 under ``text_config``)."""
+        text = config.get("text_config", config)
+        layers = text.get("layer_types") or []
+        return cls(num_gdn_layers=layers.count("linear_attention"), num_k_heads=text["linear_num_key_heads"],
+                   num_v_heads=text["linear_num_value_heads"], head_k_dim=text["linear_key_head_dim"],
+                   head_v_dim=text["linear_value_head_dim"], conv_kernel=text["linear_conv_kernel_dim"]).tp(tp_size)
+
     def tp(self, tp_size: int) -> GDNShapes:
         return GDNShapes(self.num_gdn_layers, self.num_k_heads // tp_size, self.num_v_heads // tp_size,
                          self.head_k_dim, self.head_v_dim, self.conv_kernel, self.state_bytes, self.conv_bytes)
@@ -101,6 +110,11 @@ def max_budget(s: GDNShapes, bytes_available: int, num_reqs: int, mode: str) -> 
     return max((b for b in range(1, 129) if step_bytes(s, b, num_reqs, mode) <= bytes_available), default=0)
 
 
+def max_requests(s: GDNShapes, bytes_available: int, budget: int, mode: str, limit: int = 1024) -> int:
+    """Most concurrent requests (<= limit) whose GDN state at budget B fits in bytes_available (0 if none)."""
+    return max((n for n in range(1, limit + 1) if step_bytes(s, budget, n, mode) <= bytes_available), default=0)
+
+
 def report(s: GDNShapes = QWEN36_27B, budgets=(8, 16, 32, 64, 128), tp_sizes=(1, 2)) -> str:
     """Human-readable table (GiB) used in the README / issue notes."""
     gib = 1024**3
@@ -119,6 +133,9 @@ def report(s: GDNShapes = QWEN36_27B, budgets=(8, 16, 32, 64, 128), tp_sizes=(1,
         for n in (1, 8):
             fits = ", ".join(f"{m} B<={max_budget(r, mem * gib, n, m)}" for m in ("persistent", "workspace", "replay"))
             lines.append(f"TP={tp}, {mem} GiB for GDN state, {n} request(s): {fits}")
+        lines.append(f"TP={tp}, 20 GiB for GDN state, concurrent requests by budget (persistent | replay): "
+                     + ", ".join(f"B={b}: {max_requests(r, mem * gib, b, 'persistent')} | "
+                                 f"{max_requests(r, mem * gib, b, 'replay')}" for b in budgets))
     return "\n".join(lines)
 
 

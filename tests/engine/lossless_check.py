@@ -1,0 +1,171 @@
+"""The teacher-forced lossless check of DDTree on a hybrid target: every verified node's logits against the same
+tokens fed to the target plainly, within a tolerance measured on vLLM's own chain.
+
+vLLM runs GatedDeltaNet layers in bfloat16 on the CPU (and FLA's GPU prefill refuses float32), where a multi-token
+verify rounds differently from a one-token decode or a prefill: no speculative method equals no-spec token for token
+there, and comparing greedy outputs tests only where the first near-tie falls. Instead:
+
+1. ``teacher``: greedy no-spec continuations S, one engine run; every later run is teacher-forced onto S
+   (teacher_forcing.py), so the committed tokens, the trees (the seeded oracle drafter) and the accepted paths are
+   the same on every machine.
+2. ``subject``: DDTree records the logits of every tree row, with its tree (parents) and depth position.
+3. ``calibration``: vLLM's DFlash chain records the logits of every verify row (root and drafts: each a path verified
+   as a chain) in the same way.
+4. ``reference``: for every recorded row, the tokens it saw (the committed context, then its root path) as the prompt
+   of a plain no-spec prefill; its last-token logits are the row's reference.
+
+A row's deviation is the largest absolute logit difference from its reference on a fixed vocabulary subset. The
+tolerance is the chain's largest deviation times ``TOLERANCE_FACTOR``: bf16 noise of the same kinds of kernels on
+the same machine. A node continuing from a wrong state (wrong parent, missing relayout) deviates by a change of
+context, tens of times more (``DeviationReport.separation`` measures that scale on the references themselves).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from engine_run import run_engine
+from teacher_forcing import TEACHER_ENV
+
+TEACHER_SITE = Path(__file__).with_name("teacher_site")
+ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"
+TOLERANCE_FACTOR = 4.0
+Tokens = tuple[int, ...]
+
+
+@dataclass
+class Recording:
+    """What teacher_forcing.Recorder saved: one entry per sampled row (lists), logits on ``subset``."""
+
+    rows: dict[str, list]
+    prompts: list[Tokens]
+    logits: torch.Tensor
+    subset: torch.Tensor | None
+
+    def __len__(self) -> int:
+        return len(self.rows["token"])
+
+    def path_keys(self, teacher: dict[Tokens, list[int]]) -> list[Tokens | None]:
+        """Per row, the tokens the target saw up to it: the teacher sequence before the request's first row of the
+        step, then the row's root path (its parents' tokens and its own). None for rows outside the teacher run
+        (prefill chunks before the last prompt token)."""
+        keys: list[Tokens | None] = []
+        first = 0  # index of the current request-step's first row
+        for i in range(len(self)):
+            if self.rows["row"][i] == 0:
+                first = i
+            sequence = teacher[self.prompts[self.rows["prompt"][i]]]
+            start = self.rows["position"][first]
+            if start < len(self.prompts[self.rows["prompt"][i]]) - 1:
+                keys.append(None)
+                continue
+            path, node = [], self.rows["row"][i]
+            while node >= 0:
+                path.append(self.rows["token"][first + node])
+                node = self.rows["parent"][first + node]
+            keys.append(tuple(sequence[:start]) + tuple(reversed(path)))
+        return keys
+
+    def depths(self) -> list[int]:
+        """Per row, its depth below the request-step's first row, from the recorded parents."""
+        out, first = [], 0
+        for i in range(len(self)):
+            if self.rows["row"][i] == 0:
+                first = i
+            depth, node = 0, self.rows["row"][i]
+            while self.rows["parent"][first + node] >= 0:
+                node, depth = self.rows["parent"][first + node], depth + 1
+            out.append(depth)
+        return out
+
+
+def load_recording(path: str | os.PathLike) -> Recording:
+    data = torch.load(path, weights_only=False)
+    return Recording(data["rows"], [tuple(p) for p in data["prompts"]], data["logits"], data["subset"])
+
+
+def hybrid_args(model: Path, **extra) -> dict:
+    """Engine arguments of every run: bf16 (vLLM's CPU GDN layers run nothing else), float32 recurrent state, no
+    prefix caching of recurrent state (DDTree refuses it on hybrids)."""
+    return dict(model=str(model), dtype="bfloat16", mamba_ssm_cache_dtype="float32", enable_prefix_caching=False,
+                ignore_eos=True, **extra)
+
+
+def _run(args: dict, teacher: dict[Tokens, list[int]], tmp: str, *, spec: dict | None = None,
+         oracle: dict | None = None, fault: str | None = None, reference: bool = False,
+         env: dict | None = None) -> tuple[dict, str]:
+    config = {"teacher": [[list(p), s[len(p):]] for p, s in teacher.items()], "record": f"{tmp}/rows.pt",
+              "fault": fault, "reference": reference}
+    Path(f"{tmp}/teacher.json").write_text(json.dumps(config))
+    run_env = {**(env or {}), TEACHER_ENV: f"{tmp}/teacher.json",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(TEACHER_SITE), os.environ.get("PYTHONPATH")]))}
+    if oracle:
+        Path(f"{tmp}/oracle.json").write_text(json.dumps(oracle))
+        run_env[ORACLE_ENV] = f"{tmp}/oracle.json"
+    return run_engine(env=run_env, spec=spec, **args), f"{tmp}/rows.pt"
+
+
+def teacher_run(args: dict, teacher: dict[Tokens, list[int]], *, spec: dict | None = None, oracle: dict | None = None,
+                fault: str | None = None, env: dict | None = None) -> tuple[dict, Recording]:
+    """One engine run forced onto ``teacher`` (prompt -> prompt + continuation), recording every sampled row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result, path = _run(args, teacher, tmp, spec=spec, oracle=oracle, fault=fault, env=env)
+        return result, load_recording(path)
+
+
+def reference_logits(args: dict, keys: set[Tokens], env: dict | None = None) -> dict[Tokens, torch.Tensor]:
+    """The target's logits (recorded subset) after every key fed as plain prompt tokens: one no-spec prefill per
+    key that is no other key's prefix (its prefill gives every prefix's logits too)."""
+    ordered = sorted(keys)
+    leaves = [k for k, nxt in zip(ordered, ordered[1:] + [()]) if nxt[: len(k)] != k]
+    ref_args = {**args, "max_tokens": 1, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                "prompt_token_ids": [list(k) for k in leaves]}
+    with tempfile.TemporaryDirectory() as tmp:
+        _, recording_path = _run(ref_args, {}, tmp, reference=True, env=env)
+        reference = torch.load(recording_path, weights_only=False)["reference"]
+    missing = keys - reference.keys()
+    assert not missing, f"{len(missing)} keys have no reference logits"
+    return reference
+
+
+@dataclass
+class DeviationReport:
+    """Per recorded row (those with a key): deviation from its reference; and the scale of a change of context."""
+
+    deviations: torch.Tensor  # [rows] max |logits - reference| on the subset
+    rows: list[int]  # recording row of each entry
+    separation: float  # median over rows of max |reference(row) - reference(its parent)|: one token of context
+
+    @property
+    def worst(self) -> float:
+        return float(self.deviations.max()) if len(self.deviations) else 0.0
+
+
+def deviation_report(recording: Recording, keys: list[Tokens | None],
+                     reference: dict[Tokens, torch.Tensor]) -> DeviationReport:
+    rows = [i for i, k in enumerate(keys) if k is not None]
+    deviations = torch.stack([(recording.logits[i] - reference[keys[i]]).abs().max() for i in rows]) if rows \
+        else torch.zeros(0)
+    steps = [(reference[keys[i]] - reference[keys[i][:-1]]).abs().max() for i in rows
+             if keys[i][:-1] in reference]
+    separation = float(torch.stack(steps).median()) if steps else float("nan")
+    return DeviationReport(deviations, rows, separation)
+
+
+def greedy_agreement(recording: Recording, keys: list[Tokens | None],
+                     teacher: dict[Tokens, list[int]]) -> tuple[int, int]:
+    """(rows whose own argmax is the teacher's next token, rows on the teacher path): what greedy agreement with
+    no-spec would be along S, reported and not asserted."""
+    hits = total = 0
+    for i, key in enumerate(keys):
+        sequence = teacher[recording.prompts[recording.rows["prompt"][i]]]
+        if key is None or len(key) >= len(sequence) or tuple(sequence[: len(key)]) != key:
+            continue
+        total += 1
+        hits += int(recording.rows["argmax"][i] == sequence[len(key)])
+    return hits, total

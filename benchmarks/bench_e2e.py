@@ -69,7 +69,7 @@ def worker(args: dict) -> dict:
         async_scheduling=async_scheduling,
         # TP probe on the GPU host: vLLM's custom all-reduce needs CUDA IPC peer access between the GPUs.
         disable_custom_all_reduce=os.environ.get("BENCH_DISABLE_CUSTOM_ALL_REDUCE") == "1",
-        compilation_config={"cudagraph_capture_sizes": args["capture_sizes"]} if args["capture_sizes"] else None,
+        compilation_config=args["capture_sizes"],
         disable_log_stats=False,
         seed=0,
         **(hybrid_engine_args() if args["hybrid"] else {}),
@@ -182,13 +182,11 @@ def main() -> None:
     parser.add_argument("--v1", action="store_true", help="also run every budget on the V1 model runner "
                         "(VLLM_USE_V2_MODEL_RUNNER=0) as 'ddtree B=<b> V1'; on GPU ddtree runs on Model Runner V2 "
                         "where vLLM does (dense targets)")
-    parser.add_argument("--capture-sizes", default="auto", help="CUDA-graph capture sizes: 'auto' (GPU: what each "
-                        "configuration's steps need at the benchmarked batch sizes, batch x tokens per request for "
-                        "the verify and the draft, plus 512 for prefills; vLLM's long default list makes a B=64 "
-                        "engine start for minutes), 'vllm' (vLLM's default), or a comma-separated list")
-    parser.add_argument("--concurrent", action="store_true", help="run every configuration's engine at once on the "
-                        "GPU (each with a share of its memory): for output comparisons only, the tokens/s of such a "
-                        "run are not a measurement")
+    parser.add_argument("--capture-sizes", default="auto", help="CUDA-graph capture sizes: 'auto' (vLLM's list, its "
+                        "largest size raised where a configuration's verify step, batch x (1 + budget) tokens, "
+                        "exceeds 512, as ddtree's start-up warning advises), 'vllm' (vLLM's default), or a "
+                        "comma-separated list. (An explicit short list of just the sizes each step needs made "
+                        "DDTree's batch-8 steps 40%% slower on an H200, 2026-12-01: vLLM's list is what users run.)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name; "
                         "also comma-separated)")
@@ -265,17 +263,12 @@ def main() -> None:
     meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
             "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "dtype": base["dtype"],
             "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),
-            "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape,
-            "concurrent": args.concurrent}  # concurrent engines: output comparisons only, no timing
+            "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape}
     results: dict[str, dict | None] = {}
-    share = len(configs) if args.concurrent else 1
-    runs = []
     for name, spec, env in configs:
         worker_args = {**base, "spec": spec, "config": name, "profile_dir": args.profile_dir,
-                       "capture_sizes": capture_sizes(args.capture_sizes, spec, args.batch_sizes, block, on_gpu
-                                                      and not args.eager)}
-        if share > 1:
-            worker_args["gpu_memory_utilization"] = round(base["gpu_memory_utilization"] / share, 3)
+                       "capture_sizes": capture_sizes(args.capture_sizes, spec, args.batch_sizes,
+                                                      on_gpu and not args.eager)}
         if args.profile_dir:  # the engine core in the worker's process, where the profiler runs
             env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         timing_dir = None
@@ -283,12 +276,7 @@ def main() -> None:
             timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
             env = {**env, step_timing.TIMING_ENV: timing_dir}
         gdn_state = gdn_state_gib(target_config, spec, args.tensor_parallel_size) if base["hybrid"] else None
-        runs.append(_launch(name, worker_args, env, args.out, timing_dir, gdn_state))
-        if not args.concurrent:
-            _finish(runs[-1], results, meta, args.out)
-    if args.concurrent:
-        for run in runs:
-            _finish(run, results, meta, args.out)
+        _finish(_launch(name, worker_args, env, args.out, timing_dir, gdn_state), results, meta, args.out)
     print()
     print_table(summarise(results))
     failed = [name for name, res in results.items() if res is None]
@@ -296,19 +284,14 @@ def main() -> None:
         sys.exit(f"failed configurations: {', '.join(failed)}")
 
 
-def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], block: int, graphs: bool) -> list | None:
-    """CUDA-graph capture sizes for one configuration (``--capture-sizes``); None keeps vLLM's default."""
+def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], graphs: bool) -> dict | None:
+    """The compilation_config capture settings of one configuration (``--capture-sizes``); None keeps vLLM's."""
     if not graphs or choice == "vllm":
         return None
     if choice != "auto":
-        return sorted({int(x) for x in choice.split(",")})
-    # The verify step's (or a decode's) tokens per request; an adaptive budget verifies 1 + b for each of its b.
-    widths = {1 + (spec["num_speculative_tokens"] if spec else 0)}
-    widths |= {1 + entry[2] for entry in (spec or {}).get("num_speculative_tokens_per_batch_size") or ()}
-    sizes = {b * w for b in batch_sizes for w in widths} | {512}
-    if spec:
-        sizes |= {b * block for b in batch_sizes}  # the drafter's query: 1 + depth <= block tokens per request
-    return sorted(sizes)
+        return {"cudagraph_capture_sizes": sorted({int(x) for x in choice.split(",")})}
+    largest = max(batch_sizes) * (1 + (spec["num_speculative_tokens"] if spec else 0))
+    return {"max_cudagraph_capture_size": largest} if largest > 512 else None
 
 
 def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir: str | None,

@@ -14,7 +14,7 @@
 #   probe  bring-up of the default path (no-spec and ddtree B=16, SmolLM2 pair, a few tokens), before long phases
 #   equality  greedy float32 (IEEE dots) equality of DDTree B=16/64/adaptive and no-spec on the default path (Model
 #          Runner V2, async scheduling, CUDA graphs), SmolLM2 + the trained drafter, 16 held-out prompts x 96
-#          tokens, batch 1 and 8; the engines run at once (outputs only)
+#          tokens, batch 1 and 8 (one engine at a time: vLLM's memory profiling refuses engines started side by side)
 #   speed  bf16 tokens/s, SmolLM2 pair: no-spec, the DFlash chain and DDTree B=16/64 as vLLM runs them, batch 1
 #          and 8, outputs differing from no-spec (FlashAttention 3) counted
 #   profile  issue 19's kernel-level profile: per-kernel device time per decode step inside CUDA graphs, the chain
@@ -90,13 +90,13 @@ phase_acceptance() {
 
 
 phase_probe() {
-  # Bring-up of the default path before the long phases: SmolLM2 + the trained drafter, no-spec and ddtree B=16 at
-  # once, bf16, CUDA graphs, batch 1 and 4, a few tokens; each engine's log is kept when it fails.
+  # Bring-up of the default path before the long phases: SmolLM2 + the trained drafter, no-spec and ddtree B=16,
+  # bf16, CUDA graphs, batch 1 and 4, a few tokens; each engine's log is kept when it fails.
   local target drafter
   read -r target drafter < <(smollm2_pair)
   VLLM_DDTREE_CHECK_TREES=1 timeout "${PROBE_TIMEOUT:-240}" python3 benchmarks/bench_e2e.py --model "$target" \
     --drafter "$drafter" --prompt-set heldout --num-prompts 4 --budgets 16 --batch-sizes 1 4 --max-tokens 24 \
-    --concurrent --configs "no-spec,ddtree B=16" --out "$RESULTS/probe.json" > "$RESULTS/probe.log" 2>&1
+    --configs "no-spec,ddtree B=16" --out "$RESULTS/probe.json" > "$RESULTS/probe.log" 2>&1
   echo "probe exit $?"; tail -8 "$RESULTS/probe.log"
   grep -h "ddtree runs on\|Traceback\|Error" "$RESULTS"/probe*.log | sort | uniq -c | head -20
 }
@@ -108,7 +108,7 @@ phase_equality() {
   read -r target drafter < <(smollm2_pair)
   VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-330}" python3 benchmarks/bench_e2e.py \
     --model "$target" --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
-    --max-tokens 96 --dtype float32 --concurrent --budget-schedule "${EQUALITY_SCHEDULE:-[[1, 1, 64], [2, 8, 16]]}" \
+    --max-tokens 96 --dtype float32 --budget-schedule "${EQUALITY_SCHEDULE:-[[1, 1, 64], [2, 8, 16]]}" \
     --configs "${EQUALITY_CONFIGS:-no-spec,ddtree B=16,ddtree B=64,ddtree adaptive}" \
     --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
   tail -12 "$RESULTS/equality.log"

@@ -54,7 +54,8 @@ def mrv2_vllm_config(**changes) -> SimpleNamespace:
     config = SimpleNamespace(
         model_config=SimpleNamespace(uses_mrope=False, is_multimodal_model=False, is_hybrid=False),
         parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
-        speculative_config=SimpleNamespace(use_local_argmax_reduction=False, tree_budget=64),
+        speculative_config=SimpleNamespace(use_local_argmax_reduction=False, tree_budget=64,
+                                           num_speculative_tokens_per_batch_size=None),
     )
     for path, value in changes.items():
         obj, attr = path.split("__")
@@ -85,6 +86,7 @@ def test_on_cuda_model_runner_v2_has_no_gaps(on_cuda):
         ({"parallel_config__data_parallel_size": 2}, "data parallelism"),
         ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
         ({"speculative_config__use_local_argmax_reduction": True}, "use_local_argmax_reduction"),
+        ({"speculative_config__num_speculative_tokens_per_batch_size": [[1, 8, 16]]}, "adaptive budget"),
     ],
 )
 def test_gaps_fall_back_to_v1_and_the_start_up_line_names_them(on_cuda, change, gap):

@@ -147,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    from ddtree_testkit import offline_models as om
+    from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 
-    a.drafter = a.drafter or str(om.trained_smollm2_drafter_dir())
+    a.drafter = a.drafter or str(trained_smollm2_drafter_dir())
     from vllm_ddtree.config import MAX_TREE_BUDGET
 
     cuda = torch.cuda.is_available()
     if cuda and not a.eager:
         os.environ["VLLM_DDTREE_TEST_CUDA_GRAPHS"] = "1"  # engine_run.py: enforce_eager=False
-    target = a.model or str(om.smollm2_dir())
+    target = a.model or str(smollm2_dir())
     drafter = str(Path(a.drafter).resolve())
     cfg = json.loads((Path(drafter) / "config.json").read_text())
     depth = int(cfg["block_size"]) - 1

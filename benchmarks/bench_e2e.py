@@ -24,7 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddtree_testkit.offline_models import hybrid_engine_args
+from ddtree_testkit.engine_args import hybrid_engine_args
+from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.shapes import shaped_target_dir
+from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
 from vllm_ddtree.config import HYBRID_GPU_ENV, MRV2_ENV
 
@@ -133,10 +136,7 @@ def load_prompts(prompt_set: str, limit: int | None) -> list[str]:
 
 
 def default_models() -> tuple[str, str]:
-    sys.path.insert(0, str(ROOT))
-    from ddtree_testkit import offline_models
-
-    return str(offline_models.smollm2_dir()), str(offline_models.trained_smollm2_drafter_dir())
+    return str(smollm2_dir()), str(trained_smollm2_drafter_dir())
 
 
 def main() -> None:
@@ -144,8 +144,8 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--drafter")
     parser.add_argument("--shape", help="time a real model's shape with random in-memory weights "
-                        "(offline_models.SHAPES, e.g. qwen3-8b): no acceptance, so ratios are per-step costs (the "
-                        "tree tax); replaces --model/--drafter")
+                        "(ddtree_testkit.shapes.SHAPES, e.g. qwen3-8b): no acceptance, so ratios are per-step costs "
+                        "(the tree tax); replaces --model/--drafter")
     parser.add_argument("--draft-layers", type=int, default=1, help="drafter layers for --shape")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--chain-tokens", type=int, default=None, help="DFlash chain drafts (default: block - 1)")
@@ -192,12 +192,10 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     load_format = "auto"
     if args.shape:
-        from ddtree_testkit import offline_models
-
-        model = str(offline_models.shaped_target_dir(args.shape))
+        model = str(shaped_target_dir(args.shape))
         # vLLM's DFlash drafter does not run on dummy weights (its fused context-KV buffers come from
         # load_weights), so the drafter gets real random weights and its own load config.
-        drafter = str(offline_models.random_dflash_dir(model, block_size=16, num_layers=args.draft_layers))
+        drafter = str(random_dflash_dir(model, block_size=16, num_layers=args.draft_layers))
         load_format = "dummy"
     else:
         model, drafter = (args.model, args.drafter) if args.model else default_models()

@@ -204,7 +204,7 @@ def markdown(report: dict) -> str:
 
 def add_server_pair_arguments(parser: argparse.ArgumentParser) -> None:
     """The models and dtype of the two servers (no-spec and ddtree) that this script and load_test.py compare."""
-    parser.add_argument("--target", help="default: SmolLM2-135M-Instruct (offline_models.smollm2_dir())")
+    parser.add_argument("--target", help="default: SmolLM2-135M-Instruct (ddtree_testkit.smollm2)")
     parser.add_argument("--drafter", help="DFlash drafter; default: the trained SmolLM2 drafter (fixtures/)")
     parser.add_argument("--spec", default='{"method": "ddtree", "num_speculative_tokens": 16}',
                         help='--speculative-config JSON for the ddtree server ("model" defaults to --drafter)')
@@ -235,12 +235,13 @@ def server_options(args: argparse.Namespace, spec: dict | None) -> tuple[list[st
 def default_models(target: str | None, drafter: str | None) -> tuple[str, str]:
     """Target default SmolLM2-135M-Instruct; drafter default the trained SmolLM2 drafter (fixtures/) for it, or a
     random-weight DFlash drafter for another target (τ ≈ 1: tests losslessness only)."""
-    from ddtree_testkit import offline_models
+    from ddtree_testkit.random_dflash import random_dflash_dir
+    from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 
     if drafter is None and target is None:
-        drafter = str(offline_models.trained_smollm2_drafter_dir())
-    target = target or str(offline_models.smollm2_dir())
-    return target, drafter or str(offline_models.random_dflash_dir(target, block_size=8))
+        drafter = str(trained_smollm2_drafter_dir())
+    target = target or str(smollm2_dir())
+    return target, drafter or str(random_dflash_dir(target, block_size=8))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,9 +53,11 @@ phase_setup() {
     export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
   python3 - <<'PY' || return 1
-from ddtree_testkit import offline_models as om
-target = om.smollm2_dir()
-print("models:", target, om.random_dflash_dir(target, block_size=16), om.tiny_target_dir("llama"))
+from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.smollm2 import smollm2_dir
+from ddtree_testkit.tiny_targets import tiny_target_dir
+target = smollm2_dir()
+print("models:", target, random_dflash_dir(target, block_size=16), tiny_target_dir("llama"))
 PY
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 }
@@ -117,7 +119,7 @@ phase_hybrid() {
 }
 
 phase_hybridbench() {
-  # Issue 9: a random-weight hybrid with Qwen3.6-27B's layer pattern (offline_models.SHAPES) at TP=2, bf16, CUDA
+  # Issue 9: a random-weight hybrid with Qwen3.6-27B's layer pattern (ddtree_testkit.shapes.SHAPES) at TP=2, bf16, CUDA
   # graphs; nothing is accepted, so this is each method's step time on that target.
   timeout "${HYBRIDBENCH_TIMEOUT:-500}" python3 benchmarks/bench_e2e.py --shape qwen3.6-27b-hybrid -tp 2 \
     --budgets ${HYBRID_BUDGETS:-16 64} --batch-sizes ${HYBRID_BATCHES:-1} --max-tokens 64 --num-prompts 4 \
@@ -145,8 +147,9 @@ phase_core() {
 smollm2_pair() {
   # "TARGET DRAFTER": SmolLM2 and $E2E_DRAFTER (default the trained drafter; a random one if it is missing).
   local target random drafter=${E2E_DRAFTER:-$TRAINED}
-  read -r target random < <(python3 -c 'from ddtree_testkit import offline_models as om
-t = om.smollm2_dir(); print(t, om.random_dflash_dir(t, block_size=16))')
+  read -r target random < <(python3 -c 'from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.smollm2 import smollm2_dir
+t = smollm2_dir(); print(t, random_dflash_dir(t, block_size=16))')
   [[ -f $drafter/model.safetensors ]] || drafter=$random
   echo "$target $drafter"
 }
@@ -268,8 +271,9 @@ phase_tpprobe() {
   # workers died in vLLM's CUDA-graph memory profile with "custom_all_reduce.cuh:455 an illegal memory access".
   # TPPROBE_SHAPE (e.g. qwen3-8b) probes a random-weight shaped target instead of the tiny Llama.
   local target drafter mode models
-  read -r target drafter < <(python3 -c 'from ddtree_testkit import offline_models as om
-t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))')
+  read -r target drafter < <(python3 -c 'from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.tiny_targets import tiny_target_dir
+t = tiny_target_dir("llama"); print(t, random_dflash_dir(t, block_size=8))')
   models=(--model "$target" --drafter "$drafter")
   [[ -n ${TPPROBE_SHAPE:-} ]] && models=(--shape "$TPPROBE_SHAPE")
   python3 -c 'import torch; print("peer access 0->1:", torch.cuda.can_device_access_peer(0, 1))'

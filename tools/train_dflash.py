@@ -2,8 +2,8 @@
 """Train a DFlash drafter for a target model and write it in vLLM 0.26.0's ``DFlashDraftModel`` checkpoint format.
 
 The drafter is loadable by vLLM as ``{"method": "dflash", "model": OUT}`` (and by this project as
-``{"method": "ddtree", "model": OUT}``): ``config.json`` from ``offline_models.dflash_draft_config`` and a
-``model.safetensors`` with exactly ``offline_models.dflash_weight_shapes`` (no embedding, no lm_head: vLLM shares
+``{"method": "ddtree", "model": OUT}``): ``config.json`` from ``dflash_checkpoint.dflash_draft_config`` and a
+``model.safetensors`` with exactly ``dflash_checkpoint.dflash_weight_shapes`` (no embedding, no lm_head: vLLM shares
 the target's).
 
 Two steps, each cached:
@@ -83,7 +83,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ddtree_testkit import offline_models as om  # noqa: E402
+from ddtree_testkit.dflash_checkpoint import dflash_draft_config, dflash_weight_shapes  # noqa: E402
+from ddtree_testkit.model_cache import cache_dir  # noqa: E402
+from ddtree_testkit.named_models import resolve_target  # noqa: E402,F401
 
 DATA_FORMAT_VERSION = 1
 STATE_VERSION = 1
@@ -401,21 +403,9 @@ _LATE_DATA_FIELDS = ("mtbench_turns", "code_tasks", "math", "truthfulqa", "hella
                      "vllm_enforce_eager")
 
 
-def resolve_target(spec: str | os.PathLike) -> Path:
-    spec = str(spec)
-    if spec == "smollm2":
-        return om.smollm2_dir()
-    if spec.startswith("tiny-") and spec[5:] in om.TINY_ARCHS:
-        return om.tiny_target_dir(spec[5:])
-    path = Path(spec).expanduser().resolve()
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--target {spec!r}: neither smollm2/tiny-llama/tiny-qwen3 nor a model directory")
-    return path
-
-
 def target_layer_ids(target_dir: Path) -> list[int]:
     """The drafter's target layers: what ``dflash_draft_config`` puts in ``dflash_config.target_layer_ids``."""
-    return list(om.dflash_draft_config(target_dir)["dflash_config"]["target_layer_ids"])
+    return list(dflash_draft_config(target_dir)["dflash_config"]["target_layer_ids"])
 
 
 def _target_fingerprint(target_dir: Path) -> str:
@@ -430,7 +420,7 @@ def _key(obj: Any) -> str:
 
 
 def default_data_dir(target_dir: Path, recipe: dict) -> Path:
-    return om.cache_dir() / "_dflash_data" / f"{target_dir.name}-{_key(recipe)}"
+    return cache_dir() / "_dflash_data" / f"{target_dir.name}-{_key(recipe)}"
 
 
 def _load_target_model(target_dir: Path, device: torch.device):
@@ -1256,11 +1246,11 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def export_drafter(model: DFlashDrafter, cfg: dict, out_dir: Path, dtype: torch.dtype, log: dict | None = None) -> Path:
-    """Write config.json + model.safetensors (names/shapes checked against offline_models.dflash_weight_shapes)."""
+    """Write config.json + model.safetensors (names/shapes checked against dflash_weight_shapes)."""
     from safetensors.torch import save_file
 
     tensors = model.checkpoint_tensors(dtype)
-    expect = om.dflash_weight_shapes(cfg)
+    expect = dflash_weight_shapes(cfg)
     got = {n: tuple(t.shape) for n, t in tensors.items()}
     if got != expect:
         raise RuntimeError(f"checkpoint tensors differ from vLLM's expected layout: {set(got) ^ set(expect)}")
@@ -1295,7 +1285,7 @@ def train(target_dir: str | os.PathLike, out_dir: str | os.PathLike, data_dir: s
         opts = dataclasses.replace(opts, steps=max(1, math.ceil(opts.epochs * train_split.num_anchors() / per_step)))
         print(f"[train] {opts.epochs} epoch(s) of {train_split.num_anchors()} train anchors at {per_step} per step: "
               f"{opts.steps} steps", file=sys.stderr)
-    cfg = om.dflash_draft_config(target_dir, block_size=opts.block_size, num_layers=opts.num_layers,
+    cfg = dflash_draft_config(target_dir, block_size=opts.block_size, num_layers=opts.num_layers,
                                  mask_token_id=opts.mask_token_id, target_layer_ids=meta["layer_ids"])
     buffer_dtype = torch.bfloat16 if autocast else torch.float32
     model = build_drafter(cfg, target_dir, dev, seed=opts.seed, buffer_dtype=buffer_dtype, dropout=opts.dropout)
@@ -1574,7 +1564,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--grad-clip", type=float, default=t.grad_clip)
     g.add_argument("--gamma", type=float, default=t.gamma, help="depth weight exp(-(k-1)/gamma); unset = uniform")
     g.add_argument("--seed", type=int, default=t.seed)
-    g.add_argument("--mask-token-id", type=int, default=None, help="default: offline_models.choose_mask_token_id")
+    g.add_argument("--mask-token-id", type=int, default=None, help="default: dflash_checkpoint.choose_mask_token_id")
     g.add_argument("--ckpt-every", type=int, default=t.ckpt_every, help="resume state every N steps")
     g.add_argument("--eval-every", type=int, default=t.eval_every, help="held-out eval every N steps (0: end only)")
     g.add_argument("--eval-anchors", type=int, default=t.eval_anchors, help="anchors per held-out seq, periodic eval")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_testkit import offline_models as om
+from ddtree_testkit.dflash_checkpoint import choose_mask_token_id, dflash_draft_config, dflash_weight_shapes
+from ddtree_testkit.tiny_targets import tiny_target_dir
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("train_dflash", REPO / "tools" / "train_dflash.py")
@@ -45,7 +46,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target() -> Path:
-    return om.tiny_target_dir("llama")
+    return tiny_target_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +174,7 @@ def test_batched_forward_matches_vllm_formulas(data_dir, target):
     """The batched, masked training forward (several sequences, padding blocks, ragged contexts) equals a per-block
     transcription of vLLM's drafter math (2 layers, random weights, norms not all ones)."""
     meta, train, _ = td.load_data(data_dir)
-    cfg = om.dflash_draft_config(target, block_size=6, num_layers=2, target_layer_ids=meta["layer_ids"])
+    cfg = dflash_draft_config(target, block_size=6, num_layers=2, target_layer_ids=meta["layer_ids"])
     model = td.build_drafter(cfg, target, torch.device("cpu"), seed=3)
     gen = torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():
@@ -208,13 +209,13 @@ def test_training_reduces_loss_and_checkpoint_round_trips(data_dir, target, tmp_
 
     cfg = json.loads((out / "config.json").read_text())
     meta = json.loads((data_dir / "meta.json").read_text())
-    expect_cfg = om.dflash_draft_config(target, block_size=8, num_layers=1, target_layer_ids=meta["layer_ids"])
+    expect_cfg = dflash_draft_config(target, block_size=8, num_layers=1, target_layer_ids=meta["layer_ids"])
     assert cfg == dict(expect_cfg, dtype="bfloat16")
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    mask_id = om.choose_mask_token_id(target)
+    mask_id = choose_mask_token_id(target)
     assert cfg["dflash_config"] == {"mask_token_id": mask_id, "target_layer_ids": [1, 2, 3, 4, 5]}
     tensors = _tensors(out)
-    assert {n: tuple(t.shape) for n, t in tensors.items()} == om.dflash_weight_shapes(cfg)
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == dflash_weight_shapes(cfg)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert json.loads((out / "train_log.json").read_text())["steps_done"] == 30
 
@@ -320,7 +321,7 @@ def test_prompt_sources_are_seeded_and_disjoint_from_heldout():
     fns = td.stdlib_functions(20, seed=0)
     assert len(fns) == 20 and all(f.startswith(("def ", "@")) for f in fns)
     assert all('"""' in f or "'''" in f for f in fns)
-    tok = AutoTokenizer.from_pretrained(str(om.tiny_target_dir("llama")))
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_dir("llama")))
     train, heldout = td.build_prompts(tok, humaneval=200, mtbench=80, stdlib=2, heldout_gsm8k=4,
                                       heldout_humaneval=8, seed=0, max_prompt_tokens=10_000, mtbench_turns=2,
                                       math=5, code_tasks=3, truthfulqa=4, hellaswag=4)

@@ -31,7 +31,6 @@ from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
 from vllm_ddtree.config import HYBRID_GPU_ENV, MRV2_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain why the sky is blue in two sentences.",
@@ -128,10 +127,9 @@ def load_prompts(prompt_set: str, limit: int | None) -> list[str]:
     if prompt_set == "chat":
         prompts = DEFAULT_PROMPTS
     else:
-        sys.path.insert(0, str(ROOT / "tools"))
-        import train_dflash
+        from ddtree_testkit.train_dflash.prompts import heldout_texts
 
-        prompts = [text for _, text in train_dflash.heldout_texts()]
+        prompts = [text for _, text in heldout_texts()]
     return prompts[:limit] if limit else prompts
 
 

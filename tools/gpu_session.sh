@@ -63,7 +63,7 @@ PY
 }
 
 phase_train() {
-  # Recipe (tools/train_dflash.py docstring): vLLM generates the target's continuations, features are recomputed
+  # Recipe (ddtree_testkit.train_dflash docstring): vLLM generates the target's continuations, features are recomputed
   # teacher-forced per batch (--features online), training gets what is left of TRAIN_MINUTES and keeps the best
   # held-out checkpoint.
   (

@@ -1,4 +1,5 @@
-"""tools/train_dflash.py on the CPU: data step, training forward, checkpoint format, determinism, resume.
+"""The DFlash trainer (ddtree_testkit.train_dflash, tools/train_dflash.py) on the CPU: data step, training forward,
+checkpoint format, determinism, resume.
 
 The target is the random tiny Llama (8 layers, vocab 49152) with a handful of prompts; everything runs on one CPU
 thread (two threads on a loaded 2-core box are several times slower). The engine-level check (the trained drafter
@@ -7,23 +8,16 @@ in vLLM, draft logits equal to vLLM's) is tests/engine/test_train_dflash_engine.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ddtree_testkit import train_dflash as td
 from ddtree_testkit.dflash_checkpoint import choose_mask_token_id, dflash_draft_config, dflash_weight_shapes
 from ddtree_testkit.tiny_targets import tiny_target_dir
-
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("train_dflash", REPO / "tools" / "train_dflash.py")
-td = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("train_dflash", td)
-_spec.loader.exec_module(td)
 
 TEXTS = [
     "The capital of France is",
@@ -335,11 +329,11 @@ def test_prompt_sources_are_seeded_and_disjoint_from_heldout():
 
 def test_lr_schedule_follows_time_budget():
     o = td.TrainOptions(steps=1000, warmup=10, lr=1.0, min_lr_ratio=0.1)
-    assert td._lr_at(5, o, time_frac=0.9) == pytest.approx(0.6)  # warm-up is by steps
-    assert td._lr_at(100, o) > 0.9
-    assert td._lr_at(100, o, time_frac=1.0) == pytest.approx(0.1)  # budget spent: at the floor
-    assert td._lr_at(100, o, time_frac=0.5) == pytest.approx(0.55)
-    assert td._lr_at(900, o, time_frac=0.0) == td._lr_at(900, o)  # steps ahead of time: steps rule
+    assert td.lr_at(5, o, time_frac=0.9) == pytest.approx(0.6)  # warm-up is by steps
+    assert td.lr_at(100, o) > 0.9
+    assert td.lr_at(100, o, time_frac=1.0) == pytest.approx(0.1)  # budget spent: at the floor
+    assert td.lr_at(100, o, time_frac=0.5) == pytest.approx(0.55)
+    assert td.lr_at(900, o, time_frac=0.0) == td.lr_at(900, o)  # steps ahead of time: steps rule
 
 
 def test_epochs_dropout_and_keep_best(data_dir, target, tmp_path):

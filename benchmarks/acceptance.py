@@ -22,7 +22,6 @@ acceptance (needs matplotlib; skipped with a message without it; ``--plot-only J
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -30,16 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
-
-
-def _train_dflash():
-    spec = importlib.util.spec_from_file_location("train_dflash", ROOT / "tools" / "train_dflash.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_dflash", mod)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def heldout_prompts(target: str, num_gsm8k: int, num_humaneval: int,
@@ -48,13 +38,14 @@ def heldout_prompts(target: str, num_gsm8k: int, num_humaneval: int,
     HumanEval tail (``DataOptions.heldout_humaneval`` tasks, the trainer's default)."""
     from transformers import AutoTokenizer
 
-    td = _train_dflash()
+    from ddtree_testkit.train_dflash.prompts import chat_ids, heldout_texts
+
     tok = AutoTokenizer.from_pretrained(target)
     try:
-        prompts = td.heldout_texts(num_gsm8k, num_humaneval, gsm8k_start)
+        prompts = heldout_texts(num_gsm8k, num_humaneval, gsm8k_start)
     except ValueError as e:
         raise SystemExit(f"--num-humaneval: {e}") from None
-    ids = [td._chat_ids(tok, text) for _, text in prompts]
+    ids = [chat_ids(tok, text) for _, text in prompts]
     names = [name for name, _ in prompts]
     return ids, names
 
@@ -147,15 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    from ddtree_testkit import offline_models as om
+    from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 
-    a.drafter = a.drafter or str(om.trained_smollm2_drafter_dir())
+    a.drafter = a.drafter or str(trained_smollm2_drafter_dir())
     from vllm_ddtree.config import MAX_TREE_BUDGET
 
     cuda = torch.cuda.is_available()
     if cuda and not a.eager:
         os.environ["VLLM_DDTREE_TEST_CUDA_GRAPHS"] = "1"  # engine_run.py: enforce_eager=False
-    target = a.model or str(om.smollm2_dir())
+    target = a.model or str(smollm2_dir())
     drafter = str(Path(a.drafter).resolve())
     cfg = json.loads((Path(drafter) / "config.json").read_text())
     depth = int(cfg["block_size"]) - 1

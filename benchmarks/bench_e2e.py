@@ -3,13 +3,17 @@
     python benchmarks/bench_e2e.py                       # default: SmolLM2-135M + the trained drafter (fixtures/)
     python benchmarks/bench_e2e.py --budgets 16 64 --batch-sizes 1 8 --max-tokens 128 --out out/e2e.json
 
+On the CPU engine (the README's main job) it shows τ and losslessness, not speed: vLLM runs there eagerly, so the
+defaults are small (``CPU_DEFAULTS``: 4 prompts, 32 tokens, batch 4; a few minutes on 2 cores). Speed needs a GPU
+(benchmarks/README.md), where the defaults are ``GPU_DEFAULTS``.
+
 Every configuration generates greedily for the same prompts, ``batch`` at a time (batch 1 runs them one by one);
-the table gives tokens/s (after a warm-up pass over the same shapes), τ (mean tokens per verify step, bonus included:
-1 + accepted / drafts), and how many outputs differ from no-spec. ``--prompt-set heldout`` uses the drafter
+the table gives tokens/s (on GPU after a warm-up pass over the same shapes), τ (mean tokens per verify step, bonus
+included: 1 + accepted / drafts), and how many outputs differ from no-spec. ``--prompt-set heldout`` uses the drafter
 trainer's held-out prompts (GSM8K, then the last HumanEval tasks; needs ``requirements/train.txt``).
-CUDA graphs stay on unless --eager (on CPU vLLM runs eagerly anyway). With a random-weight
-drafter (--shape) nothing is accepted, so τ ≈ 1 and the ratios measure pure per-step overhead; the trained drafter
-gives real acceptance.
+CUDA graphs stay on unless --eager (the CPU default: vLLM's CPU engine would otherwise compile with inductor). With a
+random-weight drafter (--shape) nothing is accepted, so τ ≈ 1 and the ratios measure pure per-step overhead; the
+trained drafter gives real acceptance.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddtree_testkit.offline_models import hybrid_engine_args
+from ddtree_testkit.engine_args import hybrid_engine_args
+from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.shapes import shaped_target_dir
+from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
 from vllm_ddtree.config import HYBRID_GPU_ENV
 from vllm_ddtree.hybrid import memory
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain why the sky is blue in two sentences.",
@@ -40,6 +46,20 @@ DEFAULT_PROMPTS = [
     "Summarise the rules of chess for a beginner.",
     "SELECT name, COUNT(*) FROM orders",
 ]
+
+
+# Defaults by device for the options given as None. The CPU engine is no speed reference: a small run that still
+# shows τ and 0 differences in float32; --no-eager compiles there with inductor (minutes per engine).
+# 512 batched tokens (raised to the largest verify step) make the start-up's profiling forward, as long as
+# max_num_batched_tokens, 8x shorter than with vLLM's CPU default of 4096.
+# No warm-up pass on CPU: eager, nothing to compile or capture.
+CPU_DEFAULTS = {"batch_sizes": [4], "max_tokens": 32, "num_prompts": 4, "eager": True, "max_num_batched_tokens": 512,
+                "warmup": False}
+GPU_DEFAULTS = {"batch_sizes": [1, 4], "max_tokens": 32, "num_prompts": None, "eager": False,
+                "max_num_batched_tokens": None, "warmup": True}
+CPU_BANNER = ("bench_e2e on the CPU engine shows acceptance (tau: tokens per verify step) and losslessness (outputs "
+              "differing from no-spec: 0 in float32). vLLM runs eagerly here, so tok/s and the x columns are no "
+              "speed reference: speed needs a GPU (benchmarks/README.md).")
 
 
 def worker(args: dict) -> dict:
@@ -58,6 +78,7 @@ def worker(args: dict) -> dict:
         speculative_config=args["spec"],
         max_model_len=args["max_model_len"],
         max_num_seqs=max(args["batch_sizes"]),
+        max_num_batched_tokens=args["max_num_batched_tokens"],
         enforce_eager=args["eager"],
         tensor_parallel_size=args["tensor_parallel_size"],
         attention_backend=args.get("attention_backend"),
@@ -87,7 +108,8 @@ def worker(args: dict) -> dict:
         if batch > len(prompts):
             prompts = (prompts * (batch // len(prompts) + 1))[:batch]
         groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
-        llm.generate(groups[0], params, use_tqdm=False)  # warm-up: same shapes, compiles/captures
+        if args["warmup"]:
+            llm.generate(groups[0], params, use_tqdm=False)  # same shapes: compiles, captures
         before = _spec_counters(llm)
         outputs, elapsed = [], 0.0
         for group in groups:
@@ -141,18 +163,14 @@ def load_prompts(prompt_set: str, limit: int | None) -> list[str]:
     if prompt_set == "chat":
         prompts = DEFAULT_PROMPTS
     else:
-        sys.path.insert(0, str(ROOT / "tools"))
-        import train_dflash
+        from ddtree_testkit.train_dflash.prompts import heldout_texts
 
-        prompts = [text for _, text in train_dflash.heldout_texts()]
+        prompts = [text for _, text in heldout_texts()]
     return prompts[:limit] if limit else prompts
 
 
 def default_models() -> tuple[str, str]:
-    sys.path.insert(0, str(ROOT))
-    from ddtree_testkit import offline_models
-
-    return str(offline_models.smollm2_dir()), str(offline_models.trained_smollm2_drafter_dir())
+    return str(smollm2_dir()), str(trained_smollm2_drafter_dir())
 
 
 def main() -> None:
@@ -160,14 +178,16 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--drafter")
     parser.add_argument("--shape", help="time a real model's shape with random in-memory weights "
-                        "(offline_models.SHAPES, e.g. qwen3-8b): no acceptance, so ratios are per-step costs (the "
-                        "tree tax); replaces --model/--drafter")
+                        "(ddtree_testkit.shapes.SHAPES, e.g. qwen3-8b): no acceptance, so ratios are per-step costs "
+                        "(the tree tax); replaces --model/--drafter")
     parser.add_argument("--draft-layers", type=int, default=1, help="drafter layers for --shape")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--chain-tokens", type=int, default=None, help="DFlash chain drafts (default: block - 1)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help=f"default: {GPU_DEFAULTS['batch_sizes']} on GPU, {CPU_DEFAULTS['batch_sizes']} on CPU")
     parser.add_argument("--prompt-set", choices=["chat", "heldout"], default="chat")
-    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the set (default: all)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the set (default: all on "
+                        f"GPU, {CPU_DEFAULTS['num_prompts']} on CPU)")
     parser.add_argument("--chain-v1", action="store_true", help="also run the DFlash chain on the V1 model runner "
                         "(the runner DDTree uses) next to vLLM's default runner")
     parser.add_argument("--same-backend-baselines", action="store_true", help="also run no-spec and the chain on "
@@ -190,10 +210,16 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name; "
                         "also comma-separated)")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"default: {GPU_DEFAULTS['max_tokens']} on GPU, {CPU_DEFAULTS['max_tokens']} on CPU")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help=f"default: vLLM's on GPU, {CPU_DEFAULTS['max_num_batched_tokens']} on CPU")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
-    parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="no CUDA graphs / torch.compile (default: on CPU, off on GPU)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                        help="a warm-up pass over each batch size's shapes before timing (default: on GPU, off on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 on GPU; on CPU a "
                         "fixed 512 MiB KV cache")
     parser.add_argument("--out", default=None, help="write the JSON here")
@@ -209,20 +235,27 @@ def main() -> None:
     import torch
 
     on_gpu = torch.cuda.is_available()
+    batched_tokens_given = args.max_num_batched_tokens is not None
+    for name, value in (GPU_DEFAULTS if on_gpu else CPU_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not on_gpu:
+        print(CPU_BANNER, flush=True)
     load_format = "auto"
     if args.shape:
-        from ddtree_testkit import offline_models
-
-        model = str(offline_models.shaped_target_dir(args.shape))
+        model = str(shaped_target_dir(args.shape))
         # vLLM's DFlash drafter does not run on dummy weights (its fused context-KV buffers come from
         # load_weights), so the drafter gets real random weights and its own load config.
-        drafter = str(offline_models.random_dflash_dir(model, block_size=16, num_layers=args.draft_layers))
+        drafter = str(random_dflash_dir(model, block_size=16, num_layers=args.draft_layers))
         load_format = "dummy"
     else:
         model, drafter = (args.model, args.drafter) if args.model else default_models()
         drafter = args.drafter or drafter
     block = json.loads((Path(drafter) / "config.json").read_text()).get("block_size", 16)
     chain = args.chain_tokens or block - 1
+    if args.max_num_batched_tokens and not batched_tokens_given:  # the CPU default: room for every verify step
+        largest = max(args.budgets + [chain] + [entry[2] for entry in args.budget_schedule or []])
+        args.max_num_batched_tokens = max(args.max_num_batched_tokens, max(args.batch_sizes) * (1 + largest))
     drafter_load = {"draft_load_config": {"load_format": "auto"}} if load_format == "dummy" else {}
     chain_spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain, **drafter_load}
     configs = [("no-spec", None, {}), ("dflash", chain_spec, {})]
@@ -252,7 +285,9 @@ def main() -> None:
         "prompts": load_prompts(args.prompt_set, args.num_prompts), "tensor_parallel_size": args.tensor_parallel_size,
         "load_format": load_format,
         "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "batch_sizes": args.batch_sizes,
-        "eager": args.eager, "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "eager": args.eager, "warmup": args.warmup,
+        "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
         "in_process": not on_gpu and args.tensor_parallel_size == 1,
         "hybrid": "linear_num_value_heads" in target_config.get("text_config", target_config),
     }
@@ -261,8 +296,8 @@ def main() -> None:
     elif base["hybrid"]:
         base["dtype"] = "bfloat16"  # vLLM's CPU GDN layers run in bfloat16 only
     meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-            "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "dtype": base["dtype"],
-            "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),
+            "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "warmup": args.warmup,
+            "dtype": base["dtype"], "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),
             "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape}
     results: dict[str, dict | None] = {}
     for name, spec, env in configs:

@@ -21,11 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "engine"))  # loopback_server: the one way tests and benchmarks start vLLM
-sys.path.insert(0, str(ROOT))
+from ddtree_testkit.loopback_server import Server, post, serve  # the one way tests and benchmarks start vLLM
 
-from loopback_server import Server, post, serve  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SENTENCES = [
     "The capital of France is Paris, a city known for its museums.",

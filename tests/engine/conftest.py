@@ -1,9 +1,9 @@
 """Shared fixtures for engine tests.
 
-# --- offline models (owner: offline_models) ---------------------------------------------------------------------
+# --- offline models (ddtree_testkit) -----------------------------------------------------------------------------
 Session-scoped paths to the offline model directories (built on first use in the model cache,
-``$VLLM_DDTREE_CACHE`` or ``<repo>/.cache/models``; `python -m ddtree_testkit.offline_models fetch-all` pre-builds
-them). Other sections may be added below.
+``$VLLM_DDTREE_CACHE`` or ``<repo>/.cache/models``; `python -m ddtree_testkit fetch-all` pre-builds them). Other
+sections may be added below.
 """
 
 from __future__ import annotations
@@ -12,54 +12,55 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_testkit import offline_models
+from ddtree_testkit import smollm2, tiny_targets
+from ddtree_testkit.random_dflash import random_dflash_dir
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, bf16 HF dir (llama arch, 30 layers, H 576, vocab 49152)."""
-    return offline_models.smollm2_dir()
+    return smollm2.smollm2_dir()
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(smollm2_dir) -> Path:
     """Random tiny Llama target (8 layers, H 256, 4/2 heads, head_dim 64, SmolLM2 tokenizer)."""
-    return offline_models.tiny_target_dir("llama")
+    return tiny_targets.tiny_target_dir("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(smollm2_dir) -> Path:
     """Random tiny Qwen3 target (same shape as tiny_llama_dir, with q/k norms)."""
-    return offline_models.tiny_target_dir("qwen3")
+    return tiny_targets.tiny_target_dir("qwen3")
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid_dir(smollm2_dir) -> Path:
     """Random tiny Qwen3-Next target: GatedDeltaNet layers with every 4th full attention, a 4-expert MoE."""
-    return offline_models.tiny_target_dir("qwen3_next")
+    return tiny_targets.tiny_target_dir("qwen3_next")
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid_dflash_dir(tiny_hybrid_dir) -> Path:
-    return offline_models.random_dflash_dir(tiny_hybrid_dir, block_size=8)
+    return random_dflash_dir(tiny_hybrid_dir, block_size=8)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dflash_dir(tiny_llama_dir) -> Path:
     """Random 1-layer DFlash drafter (block 8, target_layer_ids [1,2,3,4,5]) for tiny_llama_dir."""
-    return offline_models.random_dflash_dir(tiny_llama_dir, block_size=8)
+    return random_dflash_dir(tiny_llama_dir, block_size=8)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dflash_dir(tiny_qwen3_dir) -> Path:
     """Random 1-layer DFlash drafter (block 8) for tiny_qwen3_dir."""
-    return offline_models.random_dflash_dir(tiny_qwen3_dir, block_size=8)
+    return random_dflash_dir(tiny_qwen3_dir, block_size=8)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dflash_dir(smollm2_dir) -> Path:
     """Random 1-layer DFlash drafter (block 8, target_layer_ids [1,8,14,20,27]) for SmolLM2."""
-    return offline_models.random_dflash_dir(smollm2_dir, block_size=8)
+    return random_dflash_dir(smollm2_dir, block_size=8)
 
 
 # --- end offline models ------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def main() -> None:
         sync_audit.install(audit_file)
     from vllm import LLM, SamplingParams
 
-    from ddtree_testkit.offline_models import hybrid_engine_args
+    from ddtree_testkit.engine_args import hybrid_engine_args
 
     llm = LLM(
         model=args["model"],
@@ -173,7 +173,7 @@ def main() -> None:
         block_size=args.get("block_size"),
         mamba_ssm_cache_dtype=args.get("mamba_ssm_cache_dtype", "auto"),
         enable_prefix_caching=args.get("enable_prefix_caching"),
-        # GatedDeltaNet targets on a GPU host without FlashInfer: vLLM's Triton prefill (offline_models).
+        # GatedDeltaNet targets on a GPU host without FlashInfer: vLLM's Triton prefill (ddtree_testkit).
         gdn_prefill_backend=hybrid_engine_args().get("gdn_prefill_backend"),
     )
     params = [

@@ -20,7 +20,8 @@ import pytest
 import torch
 from engine_run import run_engine
 
-from ddtree_testkit import offline_models, qwen3_5_models
+from ddtree_testkit import qwen3_5_models
+from ddtree_testkit.random_dflash import random_dflash_dir
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14], [20, 21]]
 MAX_TOKENS = 24
@@ -37,7 +38,7 @@ def tiny_qwen3_5_dir(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_dflash_dir(tiny_qwen3_5_dir):
-    return offline_models.random_dflash_dir(tiny_qwen3_5_dir, block_size=8)
+    return random_dflash_dir(tiny_qwen3_5_dir, block_size=8)
 
 
 # Targets of the teacher-forced check. Not the tiny Qwen3-Next: its MoE router flips experts on bf16 noise, so vLLM's

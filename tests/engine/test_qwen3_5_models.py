@@ -7,7 +7,9 @@ import json
 
 from safetensors import safe_open
 
-from ddtree_testkit import offline_models, qwen3_5_models
+from ddtree_testkit import qwen3_5_models
+from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.shapes import shaped_target_dir
 from vllm_ddtree.hybrid import memory
 
 
@@ -33,7 +35,7 @@ def test_tiny_qwen3_5_is_the_architecture_vllm_serves(smollm2_dir):
     vocab = json.loads((target / "tokenizer.json").read_text())["added_tokens"]
     assert {t["content"]: t["id"] for t in vocab}["<|image_pad|>"] == cfg["image_token_id"] < text["vocab_size"]
 
-    drafter = json.loads((offline_models.random_dflash_dir(target, block_size=8) / "config.json").read_text())
+    drafter = json.loads((random_dflash_dir(target, block_size=8) / "config.json").read_text())
     assert drafter["num_target_layers"] == 8 and drafter["hidden_size"] == text["hidden_size"]
     mask = drafter["dflash_config"]["mask_token_id"]
     assert max(t["id"] for t in vocab) < mask < text["vocab_size"], "the mask token is a padded vocabulary id"
@@ -50,7 +52,7 @@ def test_tiny_qwen3_5_is_the_architecture_vllm_serves(smollm2_dir):
 
 def test_the_27b_shape_is_qwen36_27b_and_what_the_memory_model_sizes(smollm2_dir):
     """bench_e2e --shape qwen3.6-27b times the target whose GDN state hybrid/memory.py budgets."""
-    cfg = json.loads((offline_models.shaped_target_dir("qwen3.6-27b") / "config.json").read_text())
+    cfg = json.loads((shaped_target_dir("qwen3.6-27b") / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert memory.GDNShapes.from_config(cfg) == memory.QWEN36_27B
     text, vision = cfg["text_config"], cfg["vision_config"]

@@ -1,4 +1,4 @@
-"""A drafter trained by tools/train_dflash.py inside the real vLLM engine (CPU, float32).
+"""A drafter trained by ddtree_testkit.train_dflash (tools/train_dflash.py) inside the real vLLM engine (CPU, float32).
 
 The drafter is trained briefly on the tiny Llama target's own continuations of the engine prompts, then:
 
@@ -17,8 +17,6 @@ on depth-1 siblings. That is why the ddtree case only asserts that trees accept,
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,11 +24,7 @@ import torch
 from dflash_probe_run import run_probe
 from engine_run import run_engine
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("train_dflash", REPO / "tools" / "train_dflash.py")
-td = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("train_dflash", td)
-_spec.loader.exec_module(td)
+from ddtree_testkit import train_dflash as td
 
 MAX_TOKENS = 48  # the conftest ``reference`` fixture's length (the training data's continuation length)
 RUN_PROMPTS, RUN_TOKENS = 4, 32  # engine runs: a prefix of the reference (greedy, so prefixes agree)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine_run import run_engine
 from transformers import AutoTokenizer
 
-from ddtree_testkit import offline_models as om
+from ddtree_testkit.smollm2 import trained_smollm2_drafter_dir
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -22,7 +22,7 @@ def tau(result: dict) -> float:
 
 
 def test_trained_drafter_accepts_as_chain_and_tree_and_stays_lossless(smollm2_dir):
-    drafter = str(om.trained_smollm2_drafter_dir())
+    drafter = str(trained_smollm2_drafter_dir())
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     prompt_ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                               add_generation_prompt=True), add_special_tokens=False).input_ids

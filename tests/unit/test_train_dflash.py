@@ -1,4 +1,5 @@
-"""tools/train_dflash.py on the CPU: data step, training forward, checkpoint format, determinism, resume.
+"""The DFlash trainer (ddtree_testkit.train_dflash, tools/train_dflash.py) on the CPU: data step, training forward,
+checkpoint format, determinism, resume.
 
 The target is the random tiny Llama (8 layers, vocab 49152) with a handful of prompts; everything runs on one CPU
 thread (two threads on a loaded 2-core box are several times slower). The engine-level check (the trained drafter
@@ -7,22 +8,17 @@ in vLLM, draft logits equal to vLLM's) is tests/engine/test_train_dflash_engine.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddtree_testkit import offline_models as om
-
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("train_dflash", REPO / "tools" / "train_dflash.py")
-td = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("train_dflash", td)
-_spec.loader.exec_module(td)
+from ddtree_testkit import train_dflash as td
+from ddtree_testkit.corpora import gsm8k_cases, stdlib_functions
+from ddtree_testkit.dflash_checkpoint import choose_mask_token_id, dflash_draft_config, dflash_weight_shapes
+from ddtree_testkit.tiny_targets import tiny_target_dir
 
 TEXTS = [
     "The capital of France is",
@@ -45,7 +41,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target() -> Path:
-    return om.tiny_target_dir("llama")
+    return tiny_target_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +169,7 @@ def test_batched_forward_matches_vllm_formulas(data_dir, target):
     """The batched, masked training forward (several sequences, padding blocks, ragged contexts) equals a per-block
     transcription of vLLM's drafter math (2 layers, random weights, norms not all ones)."""
     meta, train, _ = td.load_data(data_dir)
-    cfg = om.dflash_draft_config(target, block_size=6, num_layers=2, target_layer_ids=meta["layer_ids"])
+    cfg = dflash_draft_config(target, block_size=6, num_layers=2, target_layer_ids=meta["layer_ids"])
     model = td.build_drafter(cfg, target, torch.device("cpu"), seed=3)
     gen = torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():
@@ -208,13 +204,13 @@ def test_training_reduces_loss_and_checkpoint_round_trips(data_dir, target, tmp_
 
     cfg = json.loads((out / "config.json").read_text())
     meta = json.loads((data_dir / "meta.json").read_text())
-    expect_cfg = om.dflash_draft_config(target, block_size=8, num_layers=1, target_layer_ids=meta["layer_ids"])
+    expect_cfg = dflash_draft_config(target, block_size=8, num_layers=1, target_layer_ids=meta["layer_ids"])
     assert cfg == dict(expect_cfg, dtype="bfloat16")
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    mask_id = om.choose_mask_token_id(target)
+    mask_id = choose_mask_token_id(target)
     assert cfg["dflash_config"] == {"mask_token_id": mask_id, "target_layer_ids": [1, 2, 3, 4, 5]}
     tensors = _tensors(out)
-    assert {n: tuple(t.shape) for n, t in tensors.items()} == om.dflash_weight_shapes(cfg)
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == dflash_weight_shapes(cfg)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert json.loads((out / "train_log.json").read_text())["steps_done"] == 30
 
@@ -315,12 +311,12 @@ def test_prompt_sources_are_seeded_and_disjoint_from_heldout():
 
     a, b = td.math_word_problems(300, seed=0), td.math_word_problems(300, seed=0)
     assert a == b and len(set(a)) == 300 and a != td.math_word_problems(300, seed=1)
-    gsm = {c["prompt"] for c in td.gsm8k_cases()}
+    gsm = {c["prompt"] for c in gsm8k_cases()}
     assert not gsm & set(a)
-    fns = td.stdlib_functions(20, seed=0)
+    fns = stdlib_functions(20, seed=0)
     assert len(fns) == 20 and all(f.startswith(("def ", "@")) for f in fns)
     assert all('"""' in f or "'''" in f for f in fns)
-    tok = AutoTokenizer.from_pretrained(str(om.tiny_target_dir("llama")))
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_dir("llama")))
     train, heldout = td.build_prompts(tok, humaneval=200, mtbench=80, stdlib=2, heldout_gsm8k=4,
                                       heldout_humaneval=8, seed=0, max_prompt_tokens=10_000, mtbench_turns=2,
                                       math=5, code_tasks=3, truthfulqa=4, hellaswag=4)
@@ -334,11 +330,11 @@ def test_prompt_sources_are_seeded_and_disjoint_from_heldout():
 
 def test_lr_schedule_follows_time_budget():
     o = td.TrainOptions(steps=1000, warmup=10, lr=1.0, min_lr_ratio=0.1)
-    assert td._lr_at(5, o, time_frac=0.9) == pytest.approx(0.6)  # warm-up is by steps
-    assert td._lr_at(100, o) > 0.9
-    assert td._lr_at(100, o, time_frac=1.0) == pytest.approx(0.1)  # budget spent: at the floor
-    assert td._lr_at(100, o, time_frac=0.5) == pytest.approx(0.55)
-    assert td._lr_at(900, o, time_frac=0.0) == td._lr_at(900, o)  # steps ahead of time: steps rule
+    assert td.lr_at(5, o, time_frac=0.9) == pytest.approx(0.6)  # warm-up is by steps
+    assert td.lr_at(100, o) > 0.9
+    assert td.lr_at(100, o, time_frac=1.0) == pytest.approx(0.1)  # budget spent: at the floor
+    assert td.lr_at(100, o, time_frac=0.5) == pytest.approx(0.55)
+    assert td.lr_at(900, o, time_frac=0.0) == td.lr_at(900, o)  # steps ahead of time: steps rule
 
 
 def test_epochs_dropout_and_keep_best(data_dir, target, tmp_path):

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
-import re
-
 import pytest
 import torch
 
-from vllm_ddtree.tree import build
 from vllm_ddtree.tree.build import ancestor_bits_from_parents, build_tree, build_tree_from_topk, per_depth_topk
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree.reference import ancestor_sets_from_bits, brute_force_tree, heap_tree
@@ -190,11 +186,3 @@ def test_ancestor_bits_word_boundaries() -> None:
     sets = ancestor_sets_from_bits(bits[0].tolist())
     assert sets == [frozenset(range(i + 1)) for i in range(nodes)]
 
-
-@pytest.mark.parametrize("module", [build])
-def test_no_host_sync_in_device_code(module) -> None:
-    """Static guard: the decode-path module never syncs or makes data-dependent shapes."""
-    source = inspect.getsource(module)
-    for forbidden in (r"\.item\(", r"\.tolist\(", r"\.cpu\(", r"\.numpy\(", r"nonzero", r"masked_select",
-                      r"torch\.unique", r"bool\(", r"\.any\(\)", r"\.all\(\)"):
-        assert not re.search(forbidden, source), forbidden

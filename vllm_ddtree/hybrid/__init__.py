@@ -12,6 +12,6 @@ them at the tree versions and lays each accepted path out afterwards.
 
 vLLM's CPU engine runs GDN layers in bfloat16 with ``mamba_ssm_cache_dtype="float32"``;
 ``ddtree_testkit.qwen3_5_models.tiny_qwen3_5_dir()`` (Qwen3_5ForConditionalGeneration, as vLLM serves Qwen3.5/3.6)
-and ``ddtree_testkit.offline_models.tiny_target_dir("qwen3_next")`` are random tiny targets for it (tests/engine).
+and ``ddtree_testkit.tiny_targets.tiny_target_dir("qwen3_next")`` are random tiny targets for it (tests/engine).
 State layouts (wired: 1 + B spec slots per request; replay: written, not wired) are in docs/hybrid-state-layout.md.
 """

@@ -1,8 +1,8 @@
 """`vllm serve` on 127.0.0.1 for engine tests and benchmarks: start one, wait until healthy, post, scrape /metrics.
 
-Shared by tests/engine/test_*.py and benchmarks/{quality_regression,load_test}.py (which put this directory on
-sys.path, as tools/train_dflash.py does), so every server run starts the same way. The server's log goes to a
-file, not a pipe: nobody reads a pipe while a test runs, and a full pipe stalls the server under load.
+Shared by tests/engine/test_*.py and benchmarks/{quality_regression,load_test}.py, so every server run starts the
+same way. The server's log goes to a file, not a pipe: nobody reads a pipe while a test runs, and a full pipe stalls
+the server under load.
 """
 
 from __future__ import annotations

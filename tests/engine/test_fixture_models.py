@@ -1,24 +1,22 @@
-"""Tests for ddtree_testkit.offline_models: configs as vLLM 0.26.0 expects them, the cache (reuse, atomic builds),
-non-degenerate tiny targets, and one end-to-end DFlash run on the CPU engine (greedy == no-spec, fp32).
+"""The fixture models of ddtree_testkit: configs as vLLM 0.26.0 expects them, the cache (reuse, atomic builds),
+non-degenerate tiny targets, the benchmark shapes.
 
-Run: .venv/bin/python -m pytest tests/engine/test_offline_models.py -q
-This file is also the end-to-end worker script (``python tests/engine/test_offline_models.py --target ...``): vLLM
-spawns processes, so each LLM runs in its own subprocess behind an ``if __name__ == "__main__"`` guard.
+Run: .venv/bin/python -m pytest tests/engine/test_fixture_models.py -q
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from ddtree_testkit import offline_models as om  # noqa: E402
+from ddtree_testkit.dflash_checkpoint import build_target_layer_ids, choose_target_layer_ids, dflash_weight_shapes
+from ddtree_testkit.model_cache import MARKER, TMP_TAG, cache_dir, is_complete
+from ddtree_testkit.model_files import chat_template_text
+from ddtree_testkit.random_dflash import random_dflash_dir
+from ddtree_testkit.smollm2 import hf_greedy_chat
+from ddtree_testkit.tiny_targets import greedy_continuations, tiny_target_dir
 
 # algorithm.md §1.1 (z-lab build_target_layer_ids, n=5).
 LAYER_ID_TABLE = {
@@ -43,17 +41,17 @@ PROMPTS = [
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_target_layers,expected", sorted(LAYER_ID_TABLE.items()))
 def test_target_layer_ids_formula(num_target_layers, expected):
-    assert om.build_target_layer_ids(num_target_layers, 5) == expected
-    assert om.choose_target_layer_ids(num_target_layers) == expected
+    assert build_target_layer_ids(num_target_layers, 5) == expected
+    assert choose_target_layer_ids(num_target_layers) == expected
 
 
 def test_target_layer_ids_small_targets():
-    assert om.build_target_layer_ids(30, 1) == [15]
-    assert om.choose_target_layer_ids(4) == [2]  # n>1 would repeat layer 1
-    assert om.choose_target_layer_ids(6) == [1, 2, 3]
-    assert om.choose_target_layer_ids(8) == [1, 2, 3, 4, 5]
+    assert build_target_layer_ids(30, 1) == [15]
+    assert choose_target_layer_ids(4) == [2]  # n>1 would repeat layer 1
+    assert choose_target_layer_ids(6) == [1, 2, 3]
+    assert choose_target_layer_ids(8) == [1, 2, 3, 4, 5]
     for L in range(2, 70):
-        ids = om.choose_target_layer_ids(L)
+        ids = choose_target_layer_ids(L)
         assert len(set(ids)) == len(ids) and all(0 <= i < L for i in ids), (L, ids)
 
 
@@ -76,16 +74,16 @@ def _check_dflash_dir(draft: Path, target: Path, block_size: int) -> dict:
     assert cfg["head_dim"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # CPU attention head sizes
     assert cfg.get("layer_types") in (None, ["full_attention"] * cfg["num_hidden_layers"])  # non-causal drafter
     dc = cfg["dflash_config"]
-    assert dc["target_layer_ids"] == om.choose_target_layer_ids(tcfg["num_hidden_layers"])
+    assert dc["target_layer_ids"] == choose_target_layer_ids(tcfg["num_hidden_layers"])
     assert 0 <= dc["mask_token_id"] < cfg["vocab_size"]
     assert dc["mask_token_id"] not in (tcfg.get("bos_token_id"), tcfg.get("eos_token_id"))
     with safe_open(str(draft / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert shapes == om.dflash_weight_shapes(cfg)
+    assert shapes == dflash_weight_shapes(cfg)
     # vLLM's DFlashQwen3ForCausalLM.load_weights prefixes "model." itself and shares embed/lm_head from the target.
     assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k for k in shapes)
     assert shapes["fc.weight"] == (cfg["hidden_size"], len(dc["target_layer_ids"]) * cfg["hidden_size"])
-    assert om.is_complete(draft)
+    assert is_complete(draft)
     return cfg
 
 
@@ -93,15 +91,15 @@ def test_smollm2_dir(smollm2_dir, smollm2_dflash_dir):
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (30, 576, 49152)
-    assert "<|im_start|>" in om._chat_template_text(smollm2_dir)
-    assert om.is_complete(smollm2_dir)
+    assert "<|im_start|>" in chat_template_text(smollm2_dir)
+    assert is_complete(smollm2_dir)
     dcfg = _check_dflash_dir(smollm2_dflash_dir, smollm2_dir, 8)
     assert dcfg["dflash_config"]["target_layer_ids"] == [1, 8, 14, 20, 27]
     assert dcfg["dflash_config"]["mask_token_id"] == 16  # <empty_output>: special, unused by the chat template
 
 
 def test_smollm2_answers_paris(smollm2_dir):
-    answer = om.hf_greedy_chat(smollm2_dir, max_new_tokens=12)
+    answer = hf_greedy_chat(smollm2_dir, max_new_tokens=12)
     assert "paris" in answer.lower(), answer
 
 
@@ -112,12 +110,12 @@ def test_tiny_target(arch, request):
     cfg = json.loads((target / "config.json").read_text())
     assert cfg["model_type"] == arch
     assert cfg["vocab_size"] == 49152 and cfg["num_attention_heads"] % 2 == 0 and cfg["num_key_value_heads"] % 2 == 0
-    assert (target / "tokenizer.json").is_file() and om.is_complete(target)
+    assert (target / "tokenizer.json").is_file() and is_complete(target)
     dcfg = _check_dflash_dir(draft, target, 8)
     assert dcfg["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]
 
     # Random init is sane: greedy continuations depend on the prompt and are not one repeated token.
-    outs = om.greedy_continuations(target, PROMPTS, max_new_tokens=16)
+    outs = greedy_continuations(target, PROMPTS, max_new_tokens=16)
     assert len({tuple(o) for o in outs}) == len(outs), outs
     for o in outs:
         assert len(set(o)) >= 4, o
@@ -129,7 +127,7 @@ def test_tiny_hybrid_target(tiny_hybrid_dir, tiny_hybrid_dflash_dir):
     assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
         "full_attention"]
     _check_dflash_dir(tiny_hybrid_dflash_dir, tiny_hybrid_dir, 8)
-    outs = om.greedy_continuations(tiny_hybrid_dir, PROMPTS, max_new_tokens=16)
+    outs = greedy_continuations(tiny_hybrid_dir, PROMPTS, max_new_tokens=16)
     assert len({tuple(o) for o in outs}) == len(outs), outs
 
 
@@ -137,37 +135,37 @@ def test_tiny_hybrid_target(tiny_hybrid_dir, tiny_hybrid_dflash_dir):
 # Cache behaviour
 # ------------------------------------------------------------------------------------------------------------------
 def _tmp_dirs(cache: Path) -> list[Path]:
-    return [p for p in cache.iterdir() if om._TMP_TAG in p.name]
+    return [p for p in cache.iterdir() if TMP_TAG in p.name]
 
 
 def test_cache_reused(tmp_path, smollm2_dir, tiny_llama_dir):
-    tgt = om.tiny_target_dir("llama", cache=tmp_path, tokenizer_dir=smollm2_dir, num_layers=2, hidden_size=64)
+    tgt = tiny_target_dir("llama", cache=tmp_path, tokenizer_dir=smollm2_dir, num_layers=2, hidden_size=64)
     assert tgt == tmp_path / "tiny-llama-h64-l2"
-    drf = om.random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path)
-    stamps = {p: (p / om.MARKER).stat().st_mtime_ns for p in (tgt, drf)}
+    drf = random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path)
+    stamps = {p: (p / MARKER).stat().st_mtime_ns for p in (tgt, drf)}
     inodes = {p: p.stat().st_ino for p in (tgt, drf)}
-    assert om.tiny_target_dir("llama", cache=tmp_path, tokenizer_dir=smollm2_dir, num_layers=2,
+    assert tiny_target_dir("llama", cache=tmp_path, tokenizer_dir=smollm2_dir, num_layers=2,
                               hidden_size=64) == tgt
-    assert om.random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path) == drf
+    assert random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path) == drf
     # Reused, not rebuilt: the same marker write and the same directory (a rebuild renames a fresh one in).
     # No wall-clock bound: on a loaded 2-core CI box the reuse path's hashing is as slow as a tiny build.
     for p in (tgt, drf):
-        assert (p / om.MARKER).stat().st_mtime_ns == stamps[p] and p.stat().st_ino == inodes[p]
+        assert (p / MARKER).stat().st_mtime_ns == stamps[p] and p.stat().st_ino == inodes[p]
     assert not _tmp_dirs(tmp_path)
     # The env var selects the cache; a different recipe (seed) is a different directory.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_DDTREE_CACHE", str(tmp_path))
-        assert om.cache_dir() == tmp_path.resolve()
-        assert om.random_dflash_dir(tgt, block_size=16, num_layers=2) == drf
-        drf1 = om.random_dflash_dir(tgt, block_size=16, num_layers=2, seed=1)
-    assert drf1 != drf and om.is_complete(drf1)
+        assert cache_dir() == tmp_path.resolve()
+        assert random_dflash_dir(tgt, block_size=16, num_layers=2) == drf
+        drf1 = random_dflash_dir(tgt, block_size=16, num_layers=2, seed=1)
+    assert drf1 != drf and is_complete(drf1)
     from safetensors.torch import load_file
 
     w0, w1 = load_file(str(drf / "model.safetensors")), load_file(str(drf1 / "model.safetensors"))
     assert not w0["fc.weight"].equal(w1["fc.weight"])
     # Deterministic: a forced rebuild with the same seed gives identical bytes.
     before = (drf / "model.safetensors").read_bytes()
-    om.random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path, force=True)
+    random_dflash_dir(tgt, block_size=16, num_layers=2, cache=tmp_path, force=True)
     assert (drf / "model.safetensors").read_bytes() == before
 
 
@@ -183,7 +181,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch, tiny_llama_dir)
 
     monkeypatch.setattr(safetensors.torch, "save_file", exploding_save)
     with pytest.raises(KeyboardInterrupt):
-        om.random_dflash_dir(tiny_llama_dir, cache=tmp_path)
+        random_dflash_dir(tiny_llama_dir, cache=tmp_path)
     assert not final.exists()
     assert not _tmp_dirs(tmp_path)
 
@@ -191,17 +189,17 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch, tiny_llama_dir)
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     final.mkdir()
     (final / "config.json").write_text("{}")
-    assert not om.is_complete(final)
-    assert om.random_dflash_dir(tiny_llama_dir, cache=tmp_path) == final
-    assert om.is_complete(final) and json.loads((final / "config.json").read_text())["architectures"]
+    assert not is_complete(final)
+    assert random_dflash_dir(tiny_llama_dir, cache=tmp_path) == final
+    assert is_complete(final) and json.loads((final / "config.json").read_text())["architectures"]
 
     # A stale temp dir from a killed process is cleaned up by the next build of that name.
-    stale = tmp_path / f".{final.name}{om._TMP_TAG}dead"
+    stale = tmp_path / f".{final.name}{TMP_TAG}dead"
     stale.mkdir()
-    om.random_dflash_dir(tiny_llama_dir, cache=tmp_path, force=True)
+    random_dflash_dir(tiny_llama_dir, cache=tmp_path, force=True)
     assert not stale.exists()
 
     # A truncated weights file makes the directory incomplete again.
     with open(final / "model.safetensors", "r+b") as f:
         f.truncate(100)
-    assert not om.is_complete(final)
+    assert not is_complete(final)

@@ -33,7 +33,7 @@ from ddtree_testkit.random_dflash import random_dflash_dir
 from ddtree_testkit.shapes import shaped_target_dir
 from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
-from vllm_ddtree.config import HYBRID_GPU_ENV
+from vllm_ddtree.config import BENCHMARK_ENV, HYBRID_GPU_ENV
 from vllm_ddtree.hybrid import memory
 
 DEFAULT_PROMPTS = [
@@ -207,6 +207,11 @@ def main() -> None:
                         "exceeds 512, as ddtree's start-up warning advises), 'vllm' (vLLM's default), or a "
                         "comma-separated list. (An explicit short list of just the sizes each step needs made "
                         "DDTree's batch-8 steps 40%% slower on an H200, 2026-12-01: vLLM's list is what users run.)")
+    parser.add_argument("--synthetic-acceptance-length", type=float, nargs="+", default=None, metavar="TAU",
+                        help="time the speculative rows at a stated mean acceptance length τ: CHAIN [TREE] (e.g. "
+                        "the paper's Qwen3-8B MATH-500 7.79 10.73; vLLM's synthetic rejection sampling, DDTree's down "
+                        "its best-first path, vllm_ddtree/synthetic_acceptance.py); with --shape, the speed-up at "
+                        "that τ; outputs are then not the target's")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name; "
                         "also comma-separated)")
@@ -279,6 +284,19 @@ def main() -> None:
     if args.configs:
         wanted = {name.strip() for arg in args.configs for name in arg.split(",")}
         configs = [c for c in configs if c[0] in wanted]
+    if args.synthetic_acceptance_length:  # every speculative row at a stated acceptance
+        if len(args.synthetic_acceptance_length) > 2:
+            sys.exit("--synthetic-acceptance-length takes CHAIN [TREE]")
+        chain_tau, tree_tau = (args.synthetic_acceptance_length * 2)[:2]
+
+        def synthetic(spec: dict | None) -> dict | None:
+            tau = tree_tau if spec and spec["method"] == "ddtree" else chain_tau
+            return spec and {**spec, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": tau}
+
+        configs = [(name, synthetic(spec), {**env, BENCHMARK_ENV: "1"} if spec else env)
+                   for name, spec, env in configs]
+        print(f"synthetic acceptance: τ = {chain_tau} for the chain (vLLM's), {tree_tau} for DDTree (down its "
+              "best-first path); outputs are not the target's", flush=True)
     target_config = json.loads((Path(model) / "config.json").read_text())
     base = {
         "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"),
@@ -298,7 +316,8 @@ def main() -> None:
     meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
             "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "warmup": args.warmup,
             "dtype": base["dtype"], "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),
-            "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape}
+            "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape,
+            "synthetic_acceptance_length": args.synthetic_acceptance_length}
     results: dict[str, dict | None] = {}
     for name, spec, env in configs:
         worker_args = {**base, "spec": spec, "config": name, "profile_dir": args.profile_dir,

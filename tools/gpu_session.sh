@@ -21,6 +21,8 @@
 #          against DDTree on a Qwen3-8B-shaped random target, plus FlashAttention 3 against the tree kernel at
 #          verify shapes (benchmarks/kernel_profile.py)
 #   tax    the tree tax on the Qwen3-8B shape: step times at batch 1, 8, 32 (bench_e2e.py --shape qwen3-8b)
+#   synthetic  the Qwen3-8B shape at the paper's acceptance (MATH-500: chain τ 7.79, DDTree 10.73) through synthetic
+#          acceptance (vllm_ddtree/synthetic_acceptance.py): end-to-end tokens/s, DDTree against the chain
 #   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (V1 runner: the oracle drafter's
 #          seam is in the V1 adapter; float32)
 #   core   tree-core micro-benchmarks (build, walk, attention, compaction; CUDA graphs; checked against references)
@@ -162,6 +164,16 @@ phase_tax() {
     --configs "${TAX_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" ${TAX_ARGS:-} \
     --out "$RESULTS/tax.json" > "$RESULTS/tax.log" 2>&1
   tail -24 "$RESULTS/tax.log"
+}
+
+phase_synthetic() {
+  # Issue 19's "at the paper's acceptance": every speculative row at a stated τ (CHAIN TREE), random weights.
+  timeout "${SYNTH_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
+    --synthetic-acceptance-length ${SYNTH_TAU:-7.79 10.73} --budgets ${SYNTH_BUDGETS:-16 64} \
+    --batch-sizes ${SYNTH_BATCHES:-1 8} --max-tokens 128 --num-prompts 16 \
+    --configs "${SYNTH_CONFIGS:-dflash,ddtree B=16,ddtree B=64}" \
+    --out "$RESULTS/synthetic.json" > "$RESULTS/synthetic.log" 2>&1
+  tail -24 "$RESULTS/synthetic.log"
 }
 
 run_equality_tests() {

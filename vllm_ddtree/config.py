@@ -35,12 +35,12 @@ DEFAULT_TREE_BUDGET = 64
 MAX_TREE_BUDGET = 128
 # DFlash drafters predict at most block_size - 1 positions; z-lab's largest block is 16.
 MAX_TREE_DEPTH = 32
+# Benchmark modes whose outputs are not the target's (synthetic acceptance) run only with this set to 1.
+BENCHMARK_ENV = "VLLM_DDTREE_BENCHMARK"
 
 # Settings of SpeculativeConfig that change the chain's sampling or batching in ways the tree does not implement,
 # with the value DDTree needs and what the user should do instead.
 _UNSUPPORTED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
-    ("rejection_sample_method", "standard",
-     "DDTree verifies with its own tree walk; drop rejection_sample_method (synthetic/block apply to chains only)"),
     ("draft_sample_method", "greedy",
      "DDTree builds the tree from the drafter's top-k; drop draft_sample_method"),
     ("disable_padded_drafter_batch", False, "drop disable_padded_drafter_batch"),
@@ -77,8 +77,36 @@ def prepare_ddtree_method(spec: Any) -> None:
     for name, required, fix in _UNSUPPORTED_SETTINGS:
         if getattr(spec, name) != required:
             raise DDTreeConfigError(f"ddtree does not support {name}={getattr(spec, name)!r}: {fix}")
+    _check_rejection_sample_method(spec.rejection_sample_method)
     spec.method = "dflash"
     spec.tree_budget = budget
+
+
+def _check_rejection_sample_method(method: str) -> None:
+    """The tree walk is ddtree's verification; "synthetic" is its benchmark mode (synthetic_acceptance.py)."""
+    if method == "standard":
+        return
+    if method != "synthetic":
+        raise DDTreeConfigError(f"ddtree does not support rejection_sample_method={method!r}: DDTree verifies with "
+                                "its own tree walk; drop rejection_sample_method")
+    if os.environ.get(BENCHMARK_ENV) != "1":
+        raise DDTreeConfigError(
+            'ddtree rejection_sample_method="synthetic" accepts tokens the target did not choose (a benchmark mode: '
+            f"outputs are not the target's); set {BENCHMARK_ENV}=1 to time at a stated acceptance, or drop "
+            "rejection_sample_method"
+        )
+
+
+def _check_synthetic_rates(spec: Any) -> None:
+    """A tree accepts at most ``tree_depth`` nodes: synthetic acceptance deeper than that cannot be honoured."""
+    if getattr(spec, "rejection_sample_method", "standard") != "synthetic":
+        return
+    if any(r > 0 for r in (spec.synthetic_acceptance_rates or [])[spec.tree_depth:]):
+        raise DDTreeConfigError(
+            f"ddtree synthetic acceptance beyond tree_depth={spec.tree_depth}: a tree accepts at most tree_depth "
+            f"nodes; use synthetic_acceptance_length <= {spec.tree_depth + 1} or zero rates past position "
+            f"{spec.tree_depth}"
+        )
 
 
 def _check_budget_schedule(schedule: Any, budget: int) -> None:
@@ -175,6 +203,7 @@ def validate_ddtree_drafter(spec: Any) -> None:
             f"ddtree tree_depth={spec.tree_depth} exceeds the node budget (num_speculative_tokens={budget}): a tree "
             f"of {budget} nodes is at most {budget} deep; use tree_depth <= {budget} or drop it"
         )
+    _check_synthetic_rates(spec)
     spec.num_speculative_tokens = budget
 
 

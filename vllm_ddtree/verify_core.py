@@ -26,6 +26,7 @@ import torch
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.sampler import TreeWalkOutput, walk_tree
 from vllm_ddtree.step_timing import StepTimer
+from vllm_ddtree.synthetic_acceptance import SyntheticAcceptance
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import TreeHandover
 from vllm_ddtree.verify_rows import (
@@ -94,7 +95,7 @@ class TreeVerifyCore:
 
     def __init__(self, handover: TreeHandover, depth: int, max_reqs: int, max_num_tokens: int,
                  device: torch.device, *, cuda_graphs: bool, verify_widths: frozenset[int] | None = None,
-                 timer: StepTimer | None = None):
+                 timer: StepTimer | None = None, synthetic: SyntheticAcceptance | None = None):
         self.handover = handover
         self.budget = handover.budget
         self.depth = depth
@@ -107,6 +108,7 @@ class TreeVerifyCore:
         self.cuda_graphs = cuda_graphs
         self.node_tokens = torch.zeros(max_reqs, self.budget + 1, dtype=torch.int64, device=device)
         self.walk_out = TreeWalkOutput.allocate(max_reqs, depth, device)
+        self.synthetic = synthetic  # benchmark mode: the accepted depth is drawn, not verified
         # One Triton launch each way on CUDA (and under TRITON_INTERPRET in tests); the torch reference elsewhere.
         use_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         self._prepare_rows = prepare_rows_triton if use_triton else prepare_rows_torch
@@ -184,6 +186,8 @@ class TreeVerifyCore:
         return walk
 
     def _walk_rows(self, rows: int) -> None:
+        if self.synthetic is not None:
+            self.synthetic.force(self.node_tokens[:rows], self.verify_trees)
         walk_tree(self.node_tokens[:rows], self.verify_trees, self.depth, self.walk_out)
 
     def path_rows(self, step: VerifyStep, num_logits: int) -> torch.Tensor:

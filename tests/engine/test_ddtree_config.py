@@ -49,7 +49,8 @@ def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
         ({"tree_depth": 8}, "exceeds what one pass of this drafter predicts"),
         ({"num_speculative_tokens": 2, "tree_depth": 3}, "exceeds the node budget"),
         ({"tree_depth": 0}, "greater than or equal to 1"),
-        ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0}, "rejection_sample_method"),
+        ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0}, "VLLM_DDTREE_BENCHMARK=1"),
+        ({"rejection_sample_method": "block"}, "drop rejection_sample_method"),
         ({"draft_sample_method": "probabilistic"}, "draft_sample_method"),
         ({"disable_padded_drafter_batch": True}, "disable_padded_drafter_batch"),
         ({"tree_budget": 8}, "give the budget as num_speculative_tokens"),
@@ -68,6 +69,22 @@ def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
 def test_refused_settings_name_the_fix(tiny_llama_dir, tiny_llama_dflash_dir, spec, message):
     with pytest.raises(Exception, match=message):
         engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), **spec)
+
+
+def test_synthetic_acceptance_is_a_benchmark_mode_within_the_tree_depth(tiny_llama_dir, tiny_llama_dflash_dir,
+                                                                       monkeypatch):
+    from vllm_ddtree.config import BENCHMARK_ENV
+    from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
+
+    monkeypatch.setenv(BENCHMARK_ENV, "1")
+    spec = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=16,
+                         rejection_sample_method="synthetic", synthetic_acceptance_length=3.5).speculative_config
+    assert (spec.tree_budget, spec.tree_depth) == (16, 7)
+    assert spec.synthetic_acceptance_rates == [1.0, 1.0, 0.5] + [0.0] * 13  # vLLM's schedule over the budget
+    assert synthetic_acceptance(spec, "cpu").conditional.tolist() == [1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(Exception, match=r"beyond tree_depth=7.*synthetic_acceptance_length <= 8"):
+        engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=16,
+                      rejection_sample_method="synthetic", synthetic_acceptance_length=8.5)
 
 
 def test_budget_schedule_is_vllms_dynamic_speculation_schedule(tiny_llama_dir, tiny_llama_dflash_dir):

@@ -146,6 +146,22 @@ def test_sampled_ddtree_runs_and_seed_reproduces(tiny_llama_dir, tiny_llama_dfla
     assert_trees_accepted(first)
 
 
+def test_synthetic_acceptance_accepts_the_stated_depth(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids):
+    """The benchmark mode (synthetic_acceptance.py) through the engine: rates [1, 1, 0, ...] (τ = 3) make every
+    verify step accept two nodes of the random drafter's best-first path, which alone accepts nothing."""
+    result = run_engine(
+        model=str(tiny_llama_dir), prompt_token_ids=prompt_ids[:4], max_tokens=24, ignore_eos=True,
+        spec={**ddtree_spec(tiny_llama_dflash_dir, 16), "rejection_sample_method": "synthetic",
+              "synthetic_acceptance_length": 3.0},
+        env={"VLLM_DDTREE_BENCHMARK": "1"},
+    )
+    stats = result["spec_decode"]
+    drafts, per_depth = stats["vllm:spec_decode_num_drafts"], stats["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert drafts > 0 and per_depth[0] >= per_depth[1] >= 0.9 * drafts, stats
+    assert sum(per_depth[2:]) <= 0.1 * drafts, stats  # deeper only where the target's own draw is a child's token
+    assert all(len(t) == 24 for t in result["token_ids"])
+
+
 def test_logprobs_match_no_spec(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
     kwargs = dict(
         model=str(tiny_llama_dir), prompt_token_ids=prompt_ids[:3], max_tokens=24, ignore_eos=True, logprobs=2

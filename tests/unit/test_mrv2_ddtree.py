@@ -645,6 +645,7 @@ def test_generate_draft_builds_trees_rooted_at_the_anchors():
         draft_tokens=torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64),
         tree_budget=BUDGET,
         tree_depth=DEPTH,
+        synthetic=None,
     )
     DDTreeSpeculator._generate_draft(fake, num_reqs, num_reqs * per_req, None, None, None)
     want = TreeBatch.allocate(num_reqs, BUDGET, "cpu")

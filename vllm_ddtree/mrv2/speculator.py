@@ -31,6 +31,7 @@ from vllm_ddtree.attention import backend as tree_backends
 from vllm_ddtree.config import describe_runner
 from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_tensor_parallel_graphs, warn_if_trees_outgrow_graphs
 from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
+from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import TreeHandover
@@ -57,10 +58,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Query offset 0 of each request is the anchor: the bonus token, i.e. the tree's root.
         self._anchor_idx = torch.arange(self.max_num_reqs, dtype=torch.int64, device=device) * self.num_query_per_req
         self.batch_trees = TreeBatch.allocate(self.max_num_reqs, self.tree_budget, device)  # by batch row
+        self.synthetic = synthetic_acceptance(spec, device)  # benchmark mode, else None
         self.core = TreeVerifyCore(
             TreeHandover(self.max_num_reqs, self.tree_budget, device), self.tree_depth, self.max_num_reqs,
             self.max_num_tokens, device, cuda_graphs=graphs_enabled(vllm_config, device),
-            verify_widths=verify_widths(spec),
+            verify_widths=verify_widths(spec), synthetic=self.synthetic,
         )
         # Runs in the runner's __init__, before the target model is built: its layers get the tree backends.
         tree_backends.check_attention_config(vllm_config)
@@ -134,7 +136,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         num_sample = num_reqs * self.tree_depth
         logits = self.model.compute_logits(hidden_states[self.sample_indices[:num_sample]])
         roots = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]].to(torch.int64)
-        build_tree(logits.view(num_reqs, self.tree_depth, -1), self.tree_budget, self.batch_trees, roots)
+        logits = logits.view(num_reqs, self.tree_depth, -1)
+        if self.synthetic is not None:
+            self.synthetic.confident_drafts(logits)
+        build_tree(logits, self.tree_budget, self.batch_trees, roots)
         self.draft_tokens[:num_reqs] = self.batch_trees.token_ids[:num_reqs, 1:]
 
     def propose(

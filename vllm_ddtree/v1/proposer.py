@@ -31,6 +31,7 @@ from vllm_ddtree.cuda_graphs import (
     warn_if_tensor_parallel_graphs,
     warn_if_trees_outgrow_graphs,
 )
+from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
 from vllm_ddtree.tree.build import build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import RequestSlots, TreeHandover
@@ -52,11 +53,12 @@ class DDTreeProposer(DFlashProposer):
         self.tree_depth: int = spec.tree_depth
         max_reqs = vllm_config.scheduler_config.max_num_seqs
         graphs = graphs_enabled(vllm_config, device)
+        self.synthetic = synthetic_acceptance(spec, device)  # benchmark mode, else None
         self.slots = RequestSlots(max_reqs)  # V1's batch rows move; trees are filed by request slot
         self.core = TreeVerifyCore(
             TreeHandover(max_reqs, self.tree_budget, device), self.tree_depth, max_reqs,
             vllm_config.scheduler_config.max_num_batched_tokens, device, cuda_graphs=graphs,
-            verify_widths=verify_widths(spec),
+            verify_widths=verify_widths(spec), synthetic=self.synthetic,
         )
         self.draft_trees = TreeBatch.allocate(max_reqs, self.tree_budget, device)  # this draft step's, batch order
         self._slot_ids = torch.zeros(max_reqs, dtype=torch.int64, device=device)
@@ -161,6 +163,8 @@ class DDTreeProposer(DFlashProposer):
         logits = logits.view(num_reqs, self.tree_depth, -1)
         if self.draft_logits_hook is not None:
             logits = type(self).draft_logits_hook(self, logits)
+        if self.synthetic is not None:
+            self.synthetic.confident_drafts(logits)
         if self._build_graphs.replays(num_reqs):
             if self._graph_logits is None:
                 self._graph_logits = torch.zeros(

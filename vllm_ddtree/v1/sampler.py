@@ -24,7 +24,11 @@ from vllm_ddtree.verify_rows import RowInputs
 def tree_rejection_sampler(runner) -> TreeRejectionSampler:
     """Patch 0002's hook: the runner's drafter is a ``DDTreeProposer``; vLLM's RejectionSampler stays the fallback."""
     drafter = runner.drafter
-    return TreeRejectionSampler(drafter.core, drafter.slots, runner, runner.rejection_sampler)
+    fallback = runner.rejection_sampler
+    # The fallback sees only steps without trees (vLLM's dummy runs); synthetic acceptance is the walk's
+    # (synthetic_acceptance.py), and vLLM's CPU kernels refuse its chain version.
+    fallback.synthetic_conditional_rates, fallback.synthetic_mode = None, False
+    return TreeRejectionSampler(drafter.core, drafter.slots, runner, fallback)
 
 
 class TreeRejectionSampler(torch.nn.Module):

@@ -3,7 +3,7 @@
     python benchmarks/acceptance.py --drafter fixtures/dflash-smollm2-135m-b16-l3 \\
         --budgets 8 16 32 64 128 --temperatures 0 1 --out-json out/acceptance.json --out-png out/acceptance.png
 
-For every temperature, one engine run per configuration (``tests/engine/engine_run.py``'s ``run_engine``: a fresh
+For every temperature, one engine run per configuration (``ddtree_testkit.engine_run``'s ``run_engine``: a fresh
 process each, CUDA graphs on when a GPU is present, via ``VLLM_DDTREE_TEST_CUDA_GRAPHS=1``; ``--eager`` turns them
 off) on the drafter trainer's held-out prompts (the first GSM8K questions and the last HumanEval tasks, chat
 formatted; never trained on). Reported per configuration:
@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
 
 
 def heldout_prompts(target: str, num_gsm8k: int, num_humaneval: int,
@@ -51,7 +50,7 @@ def heldout_prompts(target: str, num_gsm8k: int, num_humaneval: int,
 
 
 def measure(common: dict, spec: dict | None, depth: int) -> dict:
-    from engine_run import run_engine
+    from ddtree_testkit.engine_run import run_engine
 
     t0 = time.monotonic()
     r = run_engine(**common, spec=spec)
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available()
     if cuda and not a.eager:
-        os.environ["VLLM_DDTREE_TEST_CUDA_GRAPHS"] = "1"  # engine_run.py: enforce_eager=False
+        os.environ["VLLM_DDTREE_TEST_CUDA_GRAPHS"] = "1"  # ddtree_testkit.engine_run: enforce_eager=False
     target = a.model or str(smollm2_dir())
     drafter = str(Path(a.drafter).resolve())
     cfg = json.loads((Path(drafter) / "config.json").read_text())

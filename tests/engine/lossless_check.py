@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from engine_run import run_engine
 from teacher_forcing import TEACHER_ENV
+
+from ddtree_testkit.engine_run import run_engine
 
 TEACHER_SITE = Path(__file__).with_name("teacher_site")
 ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"

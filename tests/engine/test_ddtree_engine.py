@@ -1,9 +1,9 @@
 """DDTree inside the real vLLM engine (CPU, float32): lossless greedy decoding, sampling, refused configs.
 
-Each case runs ``engine_run.py`` in a subprocess (one engine per configuration). The drafter is a random-weight
-DFlash checkpoint; to make verify steps accept nodes, the ddtree runs replace its logits with an oracle that knows
-the no-spec continuation (engine_run.install_oracle), so greedy equality covers accepted paths, KV compaction,
-depth positions and the drafter's linearised inputs, not just rejected trees.
+Each case runs ``ddtree_testkit.engine_run`` in a subprocess (one engine per configuration). The drafter is a
+random-weight DFlash checkpoint; to make verify steps accept nodes, the ddtree runs replace its logits with an oracle
+that knows the no-spec continuation (engine_run.install_oracle), so greedy equality covers accepted paths, KV
+compaction, depth positions and the drafter's linearised inputs, not just rejected trees.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_run import run_engine
+
+from ddtree_testkit.engine_run import run_engine
 
 
 def ddtree_spec(drafter: Path, budget: int) -> dict:

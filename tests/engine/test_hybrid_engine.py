@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import lossless_check as lc
 import pytest
 import torch
-from engine_run import run_engine
 
 from ddtree_testkit import qwen3_5_models
+from ddtree_testkit.engine_run import run_engine
 from ddtree_testkit.random_dflash import random_dflash_dir
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14], [20, 21]]

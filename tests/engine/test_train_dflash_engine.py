@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 from dflash_probe_run import run_probe
-from engine_run import run_engine
 
 from ddtree_testkit import train_dflash as td
+from ddtree_testkit.engine_run import run_engine
 
 MAX_TOKENS = 48  # the conftest ``reference`` fixture's length (the training data's continuation length)
 RUN_PROMPTS, RUN_TOKENS = 4, 32  # engine runs: a prefix of the reference (greedy, so prefixes agree)

@@ -3,9 +3,9 @@ and as ``ddtree``, it really accepts (a random drafter gives τ ≈ 1), and gree
 
 from __future__ import annotations
 
-from engine_run import run_engine
 from transformers import AutoTokenizer
 
+from ddtree_testkit.engine_run import run_engine
 from ddtree_testkit.smollm2 import trained_smollm2_drafter_dir
 
 PROMPTS = [

@@ -1,5 +1,5 @@
 """τ of a trained drafter in the vLLM CPU engine (``tau``): no-spec, the DFlash chain and DDTree budgets on held-out
-GSM8K prompts, greedy, through the engine tests' runner (tests/engine/engine_run.py)."""
+GSM8K prompts, greedy, through the engine tests' runner (ddtree_testkit.engine_run)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddtree_testkit.model_cache import repo_root
 from ddtree_testkit.train_dflash.prompts import gsm8k_prompt_ids
 
 
 def measure_tau(target_dir: Path, drafter_dir: Path, *, num_prompts: int = 20, max_tokens: int = 128,
                 budgets: list[int] = (8, 32), chain_k: int | None = None, dtype: str = "float32") -> dict:
     """τ = 1 + accepted / drafts from vLLM's spec-decode metrics, on held-out GSM8K prompts, greedy."""
-    sys.path.insert(0, str(repo_root() / "tests" / "engine"))
     os.environ.pop("TRITON_INTERPRET", None)
-    from engine_run import run_engine  # noqa: E402
     from transformers import AutoTokenizer
+
+    from ddtree_testkit.engine_run import run_engine
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     prompts = gsm8k_prompt_ids(tok, num_prompts)

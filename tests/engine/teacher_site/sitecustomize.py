@@ -15,4 +15,6 @@ if os.environ.get("VLLM_DDTREE_TEST_TEACHER"):
     from teacher_forcing import install_from_file
 
     install_from_file(os.environ["VLLM_DDTREE_TEST_TEACHER"])
-runpy.run_path(os.path.join(_engine_tests, "oracle_site", "sitecustomize.py"))
+import ddtree_testkit  # noqa: E402
+
+runpy.run_path(os.path.join(os.path.dirname(ddtree_testkit.__file__), "oracle_site", "sitecustomize.py"))

@@ -1,6 +1,6 @@
 """Run the CPU vLLM engine once and print the generated token ids as JSON (tests run this in a subprocess).
 
-    python tests/engine/engine_run.py '{"spec": null | {...}, "prompts": [...], "max_tokens": 32, ...}'
+    python -m ddtree_testkit.engine_run '{"spec": null | {...}, "prompts": [...], "max_tokens": 32, ...}'
 
 The engine runs in this process unless tensor parallel asks for worker processes. ``"oracle"`` replaces the ddtree
 drafter's logits, in every process (oracle_site/sitecustomize.py), with an oracle that knows the no-spec
@@ -56,7 +56,8 @@ def run_engine(env: dict[str, str] | None = None, **args) -> dict:
             env["PYTHONPATH"] = os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
             env["VLLM_DDTREE_TEST_ORACLE"] = str(oracle_file)
         proc = subprocess.run(
-            [sys.executable, str(RUNNER), json.dumps(args)], capture_output=True, text=True, timeout=900, env=env
+            [sys.executable, "-m", "ddtree_testkit.engine_run", json.dumps(args)], capture_output=True, text=True,
+            timeout=900, env=env
         )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
     if proc.returncode != 0 or not lines:

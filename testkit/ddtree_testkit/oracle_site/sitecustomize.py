@@ -6,12 +6,10 @@ worker processes (tensor parallel) draft from the oracle too, not only the proce
 
 import json
 import os
-import sys
 
 _spec = os.environ.get("VLLM_DDTREE_TEST_ORACLE")
 if _spec:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from engine_run import install_oracle
+    from ddtree_testkit.engine_run import install_oracle
 
     with open(_spec) as f:
         _o = json.load(f)

@@ -134,19 +134,9 @@ class DDTreeProposer(DFlashProposer):
         core.timer.mark("linearised")
         num_reqs = common_attn_metadata.batch_size()
         self._root_token_ids = next_token_ids
-        super().propose(
-            self.tree_depth,
-            target_token_ids,
-            target_positions,
-            target_hidden_states,
-            next_token_ids,
-            token_indices_to_sample,
-            common_attn_metadata,
-            sampling_metadata,
-            mm_embed_inputs,
-            num_rejected_tokens_gpu,
-            slot_mappings,
-        )
+        super().propose(self.tree_depth, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+                        token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs,
+                        num_rejected_tokens_gpu, slot_mappings)
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
         slots = self.slots.lookup(req_ids, self.runner.requests)
         self._slot_ids[:num_reqs].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)

@@ -34,6 +34,7 @@ from ddtree_testkit.shapes import shaped_target_dir
 from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
 from vllm_ddtree.config import BENCHMARK_ENV, HYBRID_GPU_ENV
+from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
 
 DEFAULT_PROMPTS = [
@@ -345,7 +346,8 @@ def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], graphs
     if choice != "auto":
         return {"cudagraph_capture_sizes": sorted({int(x) for x in choice.split(",")})}
     largest = max(batch_sizes) * (1 + (spec["num_speculative_tokens"] if spec else 0))
-    return {"max_cudagraph_capture_size": largest} if largest > 512 else None
+    # On vLLM's grid: 520 (B=64 at batch 8) would be truncated to 512 and that step would run without graphs.
+    return {"max_cudagraph_capture_size": capture_size_covering(largest)} if largest > 512 else None
 
 
 def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir: str | None,

@@ -84,6 +84,16 @@ class GraphedStep:
         return graph
 
 
+def capture_size_covering(tokens: int) -> int:
+    """The smallest size on vLLM's default capture grid (1, 2, 4, then steps of 8 below 256 and of 16 from 256) that
+    holds ``tokens``. A ``max_cudagraph_capture_size`` off that grid is truncated to the grid point below it (vLLM
+    0.26.0 ``VllmConfig._set_cudagraph_sizes``): 520 becomes 512, and a 520-token verify step then runs eagerly."""
+    if tokens <= 4:
+        return next(size for size in (1, 2, 4) if size >= tokens)
+    step = 8 if tokens < 256 else 16
+    return -(-tokens // step) * step
+
+
 def warn_if_trees_outgrow_graphs(vllm_config, budget: int) -> None:
     """vLLM captures graphs up to 512 tokens by default; a verify step of more requests x (1 + B) tokens runs
     without them (measured on an H200: B=64 at batch 8, 520 tokens, ran 2.7x slower than at B=16)."""
@@ -100,7 +110,8 @@ def warn_if_trees_outgrow_graphs(vllm_config, budget: int) -> None:
             "ddtree: verify steps of more than %d requests (x %d tokens) exceed the largest CUDA graph (%d tokens) "
             "and run without graphs; raise it with --compilation-config '{\"max_cudagraph_capture_size\": %d}' or "
             "lower the budget",
-            graphed, per_request, max(sizes), min(max_reqs * per_request, scheduler.max_num_batched_tokens),
+            graphed, per_request, max(sizes),
+            capture_size_covering(min(max_reqs * per_request, scheduler.max_num_batched_tokens)),
         )
 
 

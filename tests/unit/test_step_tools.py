@@ -85,7 +85,19 @@ def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
         assert not warnings()
         warn_if_trees_outgrow_graphs(config(8, sizes), 64)
     [message] = warnings()
-    assert "more than 7 requests" in message and '"max_cudagraph_capture_size": 520' in message
+    # 520 is off vLLM's grid (vLLM would truncate it to 512): the advice names the grid point that holds it
+    assert "more than 7 requests" in message and '"max_cudagraph_capture_size": 528' in message
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 5, 8, 17, 136, 255, 256, 257, 512, 520, 1040])
+def test_capture_size_covering_is_on_vllms_capture_grid(tokens):
+    """vLLM keeps a max_cudagraph_capture_size only on its default capture list; off it, the size is truncated."""
+    from vllm_ddtree.cuda_graphs import capture_size_covering
+
+    size = capture_size_covering(tokens)
+    grid = [*(s for s in (1, 2, 4) if s <= size), *range(8, min(size + 1, 256), 8), *range(256, size + 1, 16)]
+    assert grid[-1] == size >= tokens
+    assert len(grid) == 1 or grid[-2] < tokens
 
 
 def test_tensor_parallel_graphs_warn_at_start_up(caplog):

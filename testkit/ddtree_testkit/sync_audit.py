@@ -6,7 +6,8 @@ sees every torch call of the step. A call that makes the host wait for the devic
 the host: ``cpu``, ``numpy``) is recorded when vllm_ddtree code is on its stack, with the innermost vllm_ddtree
 frame and the innermost frame outside torch. The engine runs on the CPU, where nothing waits, but the same calls
 would wait on a GPU, so the record says where a GPU step would stall. Calls made by test code (the drafter oracle,
-tests/) are the test's own. ``.to(device)`` is not recorded: on the CPU engine device copies look alike both ways.
+tests/, testkit/) are the test's own. ``.to(device)`` is not recorded: on the CPU engine device copies look alike
+both ways.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ SYNC_CALLS = {
 INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put"}
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = str(ROOT / "vllm_ddtree")
-TESTS = str(ROOT / "tests")
+TEST_CODE = (str(ROOT / "tests"), str(ROOT / "testkit"))  # the tests and their kit (the oracle drafter's hook)
 _HERE = str(Path(__file__).resolve())
 
 
@@ -63,7 +64,7 @@ class SyncAudit(TorchFunctionMode):
             if path.startswith(PACKAGE):
                 self.records.append({"call": name, "in": where.replace(str(ROOT) + "/", ""), "innermost": innermost})
                 return
-            if path.startswith(TESTS) and path != _HERE:
+            if path.startswith(TEST_CODE) and path != _HERE:
                 return  # test code called it (e.g. the drafter oracle), or no vllm_ddtree frame is on the stack
             if innermost is None and "/torch/" not in path and path != _HERE:
                 innermost = where

@@ -204,10 +204,11 @@ def main() -> None:
                         "(VLLM_USE_V2_MODEL_RUNNER=0) as 'ddtree B=<b> V1'; on GPU ddtree runs on Model Runner V2 "
                         "where vLLM does (dense targets)")
     parser.add_argument("--capture-sizes", default="auto", help="CUDA-graph capture sizes: 'auto' (vLLM's list, its "
-                        "largest size raised where a configuration's verify step, batch x (1 + budget) tokens, "
-                        "exceeds 512, as ddtree's start-up warning advises), 'vllm' (vLLM's default), or a "
-                        "comma-separated list. (An explicit short list of just the sizes each step needs made "
-                        "DDTree's batch-8 steps 40%% slower on an H200, 2026-12-01: vLLM's list is what users run.)")
+                        "largest size raised, onto vLLM's capture grid, where a configuration's verify step, batch x "
+                        "(1 + budget) tokens, exceeds 512, as ddtree's start-up warning advises), 'vllm' (vLLM's "
+                        "default), or a comma-separated list. (An explicit short list of just the sizes each step "
+                        "needs made DDTree's batch-8 steps 40%% slower on an H200, 2026-12-01: vLLM's list is what "
+                        "users run.)")
     parser.add_argument("--synthetic-acceptance-length", type=float, nargs="+", default=None, metavar="TAU",
                         help="time the speculative rows at a stated mean acceptance length τ: CHAIN [TREE] (e.g. "
                         "the paper's Qwen3-8B MATH-500 7.79 10.73; vLLM's synthetic rejection sampling, DDTree's down "

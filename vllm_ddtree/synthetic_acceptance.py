@@ -31,10 +31,11 @@ CONFIDENCE = 1000.0  # added to each depth's argmax logit: its log-probability ~
 
 
 def conditional_rates(rates: list[float], depth: int) -> list[float]:
-    """P(depth d accepted | depth d - 1 accepted) for d = 1..depth, from vLLM's unconditional rates."""
-    unconditional = [*rates[:depth], *[0.0] * (depth - len(rates))]
-    previous = [1.0, *unconditional[:-1]]
-    return [r / p if p > 0 else 0.0 for r, p in zip(unconditional, previous)]
+    """P(depth d accepted | depth d - 1 accepted) for d = 1..depth: vLLM's conversion of its unconditional rates (the
+    chain's), over the tree's depths (rates past the depth cut, missing ones 0)."""
+    from vllm.v1.spec_decode.utils import unconditional_to_conditional_rates
+
+    return unconditional_to_conditional_rates([*rates[:depth], *[0.0] * (depth - len(rates))])
 
 
 class SyntheticAcceptance:

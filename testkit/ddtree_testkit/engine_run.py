@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,25 +56,34 @@ def run_engine(env: dict[str, str] | None = None, **args) -> dict:
             site = str(RUNNER.parent / "oracle_site")
             env["PYTHONPATH"] = os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
             env["VLLM_DDTREE_TEST_ORACLE"] = str(oracle_file)
-        proc = subprocess.run(
-            [sys.executable, "-m", "ddtree_testkit.engine_run", json.dumps(args)], capture_output=True, text=True,
-            timeout=900, env=env
-        )
+        proc = _run_logged([sys.executable, "-m", "ddtree_testkit.engine_run", json.dumps(args)], env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"engine run failed ({proc.returncode}):\n{_failure_excerpt(proc.stdout, proc.stderr)}")
     return json.loads(lines[-1][len("ENGINE_RESULT ") :])
 
 
+def _run_logged(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run the engine process. With VLLM_DDTREE_TEST_LOG_DIR set (GPU sessions) its streams go to files there as
+    they come, its wall time at the end of stdout's: a phase killed on its time limit still says where time went."""
+    log_dir = os.environ.get("VLLM_DDTREE_TEST_LOG_DIR")
+    if not log_dir:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    log = Path(tempfile.mkstemp(prefix="engine_run_", suffix=".log", dir=log_dir)[1])
+    err_log = log.with_suffix(".stderr.log")
+    started = time.monotonic()
+    with open(log, "w") as out, open(err_log, "w") as err:
+        proc = subprocess.run(cmd, stdout=out, stderr=err, text=True, timeout=900, env=env)
+    stdout, stderr = log.read_text(), err_log.read_text()
+    with open(log, "a") as out:
+        out.write(f"\n=== wall {time.monotonic() - started:.1f} s ===\n")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def _failure_excerpt(stdout: str, stderr: str) -> str:
     """The first traceback (a worker's root cause; the engine's own comes later and only says it failed), the tail
-    of stdout (where vLLM logs, a worker's "WorkerProc hit an exception" included) and of stderr; when
-    VLLM_DDTREE_TEST_LOG_DIR is set, both whole streams are kept there too."""
-    log_dir = os.environ.get("VLLM_DDTREE_TEST_LOG_DIR")
-    if log_dir:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        log = Path(tempfile.mkstemp(prefix="engine_run_", suffix=".log", dir=log_dir)[1])
-        log.write_text(f"=== stdout ===\n{stdout}\n=== stderr ===\n{stderr}")
+    of stdout (where vLLM logs, a worker's "WorkerProc hit an exception" included) and of stderr."""
     first = stderr.find("Traceback")
     head = stderr[first: first + 4000] + "\n[...]\n" if 0 <= first < len(stderr) - 6000 else ""
     return f"{head}{stderr[-6000:]}\n=== stdout tail ===\n{stdout[-3000:]}"

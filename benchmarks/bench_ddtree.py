@@ -1,26 +1,32 @@
-"""No-spec, the DFlash chain and DDTree side by side, one command: tokens/s, τ, ms/step, the tree tax and DDTree's
-step breakdown, per workload and batch size; one table, one JSON, one PNG (issue 6).
+"""No-spec, the DFlash chain and DDTree side by side, one command: tokens/s, τ, ms/step, the tree tax, the speed-up
+at the paper's τ, prefill throughput, engine start-up and DDTree's step breakdown; one table, one JSON, one PNG
+(issues 6 and 19).
 
-    python benchmarks/bench_ddtree.py                                   # both workloads, B 16 64, batch 1 4 16 64
+    python benchmarks/bench_ddtree.py                     # every workload, B 16 32 64, batch 1 8 32 64 (GPU)
     python benchmarks/bench_ddtree.py --workloads smollm2 --budgets 16 --batch-sizes 1 --max-tokens 8 --num-prompts 2
     python benchmarks/bench_ddtree.py --from-e2e benchmarks/results/h200-2026-11-29b/tax_qwen3_8b_shape.json
 
 A thin orchestrator over ``bench_e2e.py``, run as subprocesses with ``--out JSON`` (the engines, warm-up, CUDA
-graphs and τ are all bench_e2e's). Workloads:
+graphs, capture sizes and τ are all bench_e2e's; every engine on vLLM's default runner, Model Runner V2 on GPU).
+Workloads (``WORKLOADS``):
 
 * ``smollm2``: SmolLM2-135M-Instruct and bench_e2e's default drafter (the trained one; ``--model``/``--drafter``
   override): real τ, so the ratios are speed-ups;
 * ``qwen3-8b``: ``bench_e2e --shape qwen3-8b``, random in-memory weights of Qwen3-8B's shape and a random DFlash
-  drafter: nothing is accepted (τ = 1), so the step-time ratio is the tree tax.
+  drafter: nothing is accepted (τ = 1), so the step-time ratio is the tree tax;
+* ``qwen3-8b-paper-tau``: the same shape at the paper's acceptance (MATH-500: chain τ 7.79, DDTree 10.73) through
+  synthetic acceptance (``vllm_ddtree/synthetic_acceptance.py``): the end-to-end speed-up a real pair at that τ gets;
+* ``prefill-8k``: the same shape, 4 prompts of 8192 tokens, one output token each, batch 1: prefill tokens/s of each
+  engine against no-spec's (a ddtree engine should prefill as no-spec does, plus its drafter's context pass).
 
-Runs, per workload (engine starts matter: 30-100 s each on an H200 with CUDA graphs):
+Runs, per workload (engine starts matter: 30-125 s each on an H200 with CUDA graphs; the table's ``start s``):
 
-* default: one bench_e2e run for the baselines (no-spec and the chain on vLLM's default runner, and on GPU both
-  again on DDTree's runner and backend, V1 + TRITON_ATTN, ``--same-backend-baselines``) over all batch sizes, then
-  one bench_e2e run per batch size for the DDTree budgets with ``--step-timing`` (the timer aggregates over an
-  engine's life, so a per-batch breakdown needs an engine per batch size): 4 + |batches| x |budgets| engines.
-  Outputs differing from no-spec are then not compared (bench_e2e compares within one run; use bench_e2e for that);
-* ``--shared-engines``: one bench_e2e run with everything (4 + |budgets| engines); the DDTree breakdown then mixes
+* default: one bench_e2e run for the baselines (no-spec and the chain; ``--same-backend-baselines`` adds both on
+  DDTree's V1 runner with TRITON_ATTN) over all batch sizes, then one bench_e2e run per batch size for the DDTree
+  budgets with ``--step-timing`` (the timer aggregates over an engine's life, so a per-batch breakdown needs an engine
+  per batch size): 2 + |batches| x |budgets| engines. Outputs differing from no-spec are then not compared
+  (bench_e2e compares within one run; use bench_e2e for that);
+* ``--shared-engines``: one bench_e2e run with everything (2 + |budgets| engines); the DDTree breakdown then mixes
   all batch sizes and is reported on every batch's row, and outputs differing from no-spec are reported.
 
 Every number in one report comes from one invocation of this script on one machine.
@@ -32,10 +38,12 @@ Derived columns:
   not a multiple of the batch, a last smaller group.
 * × no-spec, × chain, × chain V1 = tokens/s over the no-spec / chain row's at the same batch size; "chain" is the
   DFlash chain on vLLM's default runner (as users run it: Model Runner V2 with async scheduling on GPU), "chain V1"
-  the chain on DDTree's runner (``dflash V1+tri``; else ``dflash V1`` of ``--chain-v1``; else ``dflash`` when that
-  ran on V1, as on CPU).
+  the chain on the V1 runner (``dflash V1+tri`` of ``--same-backend-baselines``; else ``dflash`` when that ran on V1,
+  as on CPU; saved runs may also hold ``dflash V1``).
 * tax = ms/step(DDTree B) / ms/step(chain) - 1: what a step with a B-node tree costs over a chain step with
   block - 1 (15) drafts. Meaningful as "the tree tax" where τ = 1 (qwen3-8b); with real τ it is the step-cost ratio.
+* start s: the engine's start-up (``LLM(...)``: weights, compilation, CUDA-graph capture), from bench_e2e.
+* prefill tok/s (prefill workloads): prompt tokens per second, and its ratio to no-spec's.
 * breakdown: vllm_ddtree/step_timing.py's intervals mapped to phases (PHASES below), medians over the engine's
   steps, host (perf_counter) and device-stream (CUDA events) ms; Σ is the sum of the medians (not the median step).
 * GPU idle per step: not reported. The device times are CUDA-event intervals between marks on the stream; an
@@ -55,6 +63,8 @@ import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+from vllm_ddtree.cuda_graphs import capture_size_covering
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_E2E = ROOT / "benchmarks" / "bench_e2e.py"
@@ -80,8 +90,20 @@ PHASES = (
     Phase("compaction", "walked -> compacted", "compact", "accepted K/V moved onto the path"),
     Phase("handoff", "compacted -> propose", "handoff", "accepted path handed to the drafter"),
 )
-WORKLOADS = {"smollm2": [], "qwen3-8b": ["--shape", "qwen3-8b"]}
-BASELINES = ("no-spec", "dflash", "no-spec V1+tri", "dflash V1+tri")
+# The paper's τ for Qwen3-8B on MATH-500 (arXiv:2604.12989): the DFlash chain and DDTree.
+PAPER_TAU_CHAIN, PAPER_TAU_TREE = 7.79, 10.73
+PREFILL_TOKENS = 8192
+# bench_e2e arguments per workload. The 8B shape runs random weights: at τ = 1 (nothing accepted) the step-time ratio
+# is the tree tax; at the paper's τ through synthetic acceptance it is the speed-up a real pair at that τ would see.
+WORKLOADS = {
+    "smollm2": [],
+    "qwen3-8b": ["--shape", "qwen3-8b"],
+    "qwen3-8b-paper-tau": ["--shape", "qwen3-8b", "--synthetic-acceptance-length", str(PAPER_TAU_CHAIN),
+                           str(PAPER_TAU_TREE)],
+    "prefill-8k": ["--shape", "qwen3-8b", "--prefill-tokens", str(PREFILL_TOKENS)],
+}
+BASELINES = ("no-spec", "dflash")
+SAME_BACKEND_BASELINES = ("no-spec V1+tri", "dflash V1+tri")  # --same-backend-baselines: DDTree's V1 + TRITON_ATTN
 CONFIG_ORDER = ("no-spec", "dflash", "no-spec V1+tri", "dflash V1+tri", "dflash V1")
 DEFAULT_CAPTURE = 512  # vLLM 0.26.0's largest default CUDA graph, in tokens
 GPU_IDLE_NOTE = (
@@ -153,16 +175,37 @@ def _sort_key(row: dict) -> tuple:
     return row["workload"], row["batch"], len(CONFIG_ORDER), budget_of(config) or 0, config
 
 
-def rows_from_e2e(workload: str, results: list[dict], capture_size: int | None = None) -> list[dict]:
+def largest_graph(capture_sizes: str | None, verify_tokens: int) -> int:
+    """The largest CUDA graph (tokens) of an engine run with bench_e2e's ``--capture-sizes`` choice: "auto" raises
+    vLLM's largest size onto its grid to cover the verify step; "vllm" (and runs from before that option) keeps
+    vLLM's 512; a list captures its own sizes."""
+    if capture_sizes == "auto":
+        return max(DEFAULT_CAPTURE, capture_size_covering(verify_tokens))
+    if capture_sizes in (None, "vllm"):
+        return DEFAULT_CAPTURE
+    return max(int(x) for x in capture_sizes.split(","))
+
+
+def workload_of(meta: dict) -> str:
+    """A saved bench_e2e run's workload (the key of WORKLOADS it was run with)."""
+    if meta.get("prefill_tokens"):
+        return "prefill-8k" if meta["prefill_tokens"] == PREFILL_TOKENS else f"prefill-{meta['prefill_tokens']}"
+    shape = meta.get("shape") or "smollm2"
+    return f"{shape}-paper-tau" if meta.get("synthetic_acceptance_length") else shape
+
+
+def rows_from_e2e(workload: str, results: list[dict]) -> list[dict]:
     """Report rows for one workload from bench_e2e ``--out`` JSONs ({"meta", "table"}) of one invocation of this
     script. A configuration's step timing covers every batch size it ran in that bench_e2e run (its engine's whole
     life): ``breakdown_batches`` says which."""
     table: dict[tuple[str, int], dict] = {}
     timing: dict[tuple[str, int], tuple[dict | None, list[int]]] = {}
     graphs = False  # CUDA graphs: on GPU unless --eager (vLLM's CPU engine has none)
+    capture_sizes = None
     for result in results:
         meta = result.get("meta") or {}
         graphs = graphs or (meta.get("device", "cpu") != "cpu" and not meta.get("eager"))
+        capture_sizes = meta.get("capture_sizes", capture_sizes)
         batches: dict[str, list[int]] = {}
         for t in result.get("table", []):
             batches.setdefault(t["config"], []).append(t["batch"])
@@ -195,12 +238,14 @@ def rows_from_e2e(workload: str, results: list[dict], capture_size: int | None =
             "chain_v1_config": chain_v1,
             "model_runner": t.get("model_runner"), "async_scheduling": t.get("async_scheduling"),
             "outputs_differing_from_no_spec": t.get("outputs_differing_from_no_spec"), "prompts": t.get("prompts"),
+            "engine_start_s": t.get("engine_start_s"),
+            "prefill_tokens_per_s": t.get("prefill_tokens_per_s"), "prefill_vs_no_spec": t.get("prefill_vs_no_spec"),
         }
         if is_tree:
             tokens = batch * (1 + budget_of(config))
             row.update({
                 "verify_tokens_per_step": tokens,
-                "over_cuda_graph_capture": tokens > (capture_size or DEFAULT_CAPTURE) if graphs else None,
+                "over_cuda_graph_capture": tokens > largest_graph(capture_sizes, tokens) if graphs else None,
                 "breakdown": breakdown, "breakdown_batches": timed_batches if breakdown else None,
                 "step_host_ms_median_sum": breakdown["_sum"]["host_ms"] if breakdown else None,
                 "step_device_ms_median_sum": breakdown["_sum"]["device_ms"] if breakdown else None,
@@ -210,10 +255,6 @@ def rows_from_e2e(workload: str, results: list[dict], capture_size: int | None =
             })
         rows.append(row)
     return sorted(rows, key=_sort_key)
-
-
-# The paper's τ for Qwen3-8B on MATH-500 (arXiv:2604.12989): the DFlash chain and DDTree.
-PAPER_TAU_CHAIN, PAPER_TAU_TREE = 7.79, 10.73
 
 
 def projected_speedup(tax: float | None) -> float | None:
@@ -256,21 +297,27 @@ def _fmt(value, spec: str = "") -> str:
 
 def format_table(rows: list[dict]) -> str:
     """The report: one line per (workload, batch, configuration), then DDTree's step breakdown."""
-    head = (f"{'workload':9s} {'config':20s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'ms/step':>8s} "
-            f"{'x no-spec':>9s} {'x chain':>8s} {'x chainV1':>9s} {'tax':>6s} {'taxV1':>6s}")
+    head = (f"{'workload':18s} {'config':20s} {'batch':>5s} {'tok/s':>9s} {'tau':>6s} {'ms/step':>8s} "
+            f"{'x no-spec':>9s} {'x chain':>8s} {'x chainV1':>9s} {'tax':>6s} {'taxV1':>6s} {'start s':>7s}")
     lines = [head, "-" * len(head)]
     for r in rows:
+        if r.get("prefill_tokens_per_s"):  # prefill workloads: prompt tokens per second instead of decode
+            lines.append(f"{r['workload']:18s} {r['config']:20s} {r['batch']:5d} prefill "
+                         f"{_fmt(r['prefill_tokens_per_s'], '.0f')} tok/s, x no-spec "
+                         f"{_fmt(r['prefill_vs_no_spec'], '.3f')}, start {_fmt(r.get('engine_start_s'), '.0f')} s")
+            continue
         lines.append(
-            f"{r['workload']:9s} {r['config']:20s} {r['batch']:5d} {_fmt(r['tokens_per_s'], '9.1f'):>9s} "
+            f"{r['workload']:18s} {r['config']:20s} {r['batch']:5d} {_fmt(r['tokens_per_s'], '9.1f'):>9s} "
             f"{_fmt(r['tau'], '.3f'):>6s} {_fmt(r['ms_per_step'], '.2f'):>8s} {_fmt(r['vs_no_spec'], '.3f'):>9s} "
             f"{_fmt(r['vs_chain'], '.3f'):>8s} {_fmt(r['vs_chain_v1'], '.3f'):>9s} "
-            f"{_fmt(r.get('tax_vs_chain'), '%'):>6s} {_fmt(r.get('tax_vs_chain_v1'), '%'):>6s}"
+            f"{_fmt(r.get('tax_vs_chain'), '%'):>6s} {_fmt(r.get('tax_vs_chain_v1'), '%'):>6s} "
+            f"{_fmt(r.get('engine_start_s'), '.0f'):>7s}"
             + ("  (verify steps past the largest CUDA graph: eager)" if r.get("over_cuda_graph_capture") else ""))
     timed = [r for r in rows if r.get("breakdown")]
     if timed:
         lines += ["", "DDTree step breakdown, median ms per step, host/device (Σ: sum of the medians; "
                   "ms/step: from tokens/s)"]
-        head = f"{'workload':9s} {'config':20s} {'batch':>5s} " + " ".join(
+        head = f"{'workload':18s} {'config':20s} {'batch':>5s} " + " ".join(
             f"{phase.header:>11s}" for phase in PHASES) + f" {'Σ':>11s} {'ms/step':>8s}  timed batches"
         lines += [head, "-" * len(head)]
         for r in timed:
@@ -278,7 +325,7 @@ def format_table(rows: list[dict]) -> str:
             cells = [f"{b[p]['host_ms']:.2f}/{b[p]['device_ms']:.2f}" if p in b else "-"
                      for p in (phase.name for phase in PHASES)]
             cells.append(f"{b['_sum']['host_ms']:.2f}/{b['_sum']['device_ms']:.2f}")
-            lines.append(f"{r['workload']:9s} {r['config']:20s} {r['batch']:5d} "
+            lines.append(f"{r['workload']:18s} {r['config']:20s} {r['batch']:5d} "
                          + " ".join(f"{c:>11s}" for c in cells)
                          + f" {_fmt(r['ms_per_step'], '.2f'):>8s}  {','.join(map(str, r['breakdown_batches']))}")
     return "\n".join(lines)
@@ -289,28 +336,35 @@ def build_runs(args: argparse.Namespace) -> list[dict]:
     """The bench_e2e invocations of one report: {"workload", "tag", "argv" (after bench_e2e.py), "out"}."""
     runs = []
     out_dir = Path(args.out).with_suffix("")  # out/bench_ddtree.json -> raw runs in out/bench_ddtree/
+    baselines = BASELINES + (SAME_BACKEND_BASELINES if args.same_backend_baselines else ())
     for workload in args.workloads:
         common = list(WORKLOADS[workload])
         if workload == "smollm2":
             common += ["--model", args.model] if args.model else []
             common += ["--drafter", args.drafter] if args.drafter else []
-        for flag, value in (("--max-tokens", args.max_tokens), ("--num-prompts", args.num_prompts),
-                            ("--prompt-set", args.prompt_set), ("--max-model-len", args.max_model_len)):
+        prefill = workload.startswith("prefill")
+        for flag, value in (("--max-tokens", None if prefill else args.max_tokens),
+                            ("--num-prompts", 4 if prefill else args.num_prompts),
+                            ("--prompt-set", None if prefill else args.prompt_set),
+                            ("--max-model-len", None if prefill else args.max_model_len),
+                            ("--capture-sizes", args.capture_sizes)):
             if value is not None:
                 common += [flag, str(value)]
         common += ["--budgets", *map(str, args.budgets)]
         tree = [f"ddtree B={b}" for b in args.budgets] + ([f"ddtree B={b} async" for b in args.budgets]
                                                            if args.async_ab else [])
-        tree_flags = ["--step-timing"] + (["--async-ab"] if args.async_ab else []) + (
-            ["--tree-capture-size", str(args.tree_capture_size)] if args.tree_capture_size else [])
+        tree_flags = ["--step-timing"] + (["--async-ab"] if args.async_ab else [])
+        same_backend = ["--same-backend-baselines"] if args.same_backend_baselines else []
         batches = [str(b) for b in args.batch_sizes]
-        if args.shared_engines:
+        if prefill:  # one request at a time; the step breakdown is the decode step's, not wanted here
             runs.append({"workload": workload, "tag": "all", "argv": common + [
-                "--batch-sizes", *batches, "--same-backend-baselines", *tree_flags,
-                "--configs", ",".join(BASELINES + tuple(tree))]})
+                "--batch-sizes", "1", *same_backend, "--configs", ",".join(baselines + tuple(tree))]})
+        elif args.shared_engines:
+            runs.append({"workload": workload, "tag": "all", "argv": common + [
+                "--batch-sizes", *batches, *same_backend, *tree_flags, "--configs", ",".join(baselines + tuple(tree))]})
         else:
             runs.append({"workload": workload, "tag": "baselines", "argv": common + [
-                "--batch-sizes", *batches, "--same-backend-baselines", "--configs", ",".join(BASELINES)]})
+                "--batch-sizes", *batches, *same_backend, "--configs", ",".join(baselines)]})
             runs += [{"workload": workload, "tag": f"ddtree_b{b}", "argv": common + [
                 "--batch-sizes", b, *tree_flags, "--configs", ",".join(tree)]} for b in batches]
     for run in runs:
@@ -319,13 +373,13 @@ def build_runs(args: argparse.Namespace) -> list[dict]:
     return runs
 
 
-def report(runs: list[dict], capture_size: int | None) -> list[dict]:
+def report(runs: list[dict]) -> list[dict]:
     """Rows of every workload from the bench_e2e JSONs that exist so far."""
     rows = []
     for workload in dict.fromkeys(r["workload"] for r in runs):
         results = [json.loads(Path(r["out"]).read_text()) for r in runs
                    if r["workload"] == workload and Path(r["out"]).is_file()]
-        rows += rows_from_e2e(workload, results, capture_size)
+        rows += rows_from_e2e(workload, results)
     return rows
 
 
@@ -387,8 +441,8 @@ def write_png(rows: list[dict], path: str | Path) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--model", help="smollm2 workload: the target (default: bench_e2e's, SmolLM2-135M)")
     parser.add_argument("--drafter", help="smollm2 workload: the DFlash drafter (default: bench_e2e's)")
     parser.add_argument("--max-tokens", type=int)
@@ -396,14 +450,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-set", choices=["chat", "heldout"])
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--async-ab", action="store_true", help="also every budget with async scheduling")
-    parser.add_argument("--tree-capture-size", type=int, help="ddtree engines capture CUDA graphs up to this "
-                        f"many tokens (vLLM's default: {DEFAULT_CAPTURE}; batch x (1 + B) above it runs eagerly)")
+    parser.add_argument("--capture-sizes", help="bench_e2e's --capture-sizes (its default 'auto': vLLM's list, the "
+                        "largest size raised to cover every verify step)")
+    parser.add_argument("--same-backend-baselines", action="store_true", help="also no-spec and the chain on DDTree's "
+                        "V1 runner with TRITON_ATTN (separates kernel rounding from DDTree when outputs differ)")
     parser.add_argument("--shared-engines", action="store_true", help="one bench_e2e run per workload for all "
                         "batch sizes: fewer engine starts, but the step breakdown mixes the batch sizes")
     parser.add_argument("--out", default="out/bench_ddtree.json", help="the report's JSON; bench_e2e's JSONs go "
                         "next to it, in a folder of the same name")
     parser.add_argument("--png", default=None, help="default: --out with .png")
     parser.add_argument("--dry-run", action="store_true", help="print the bench_e2e commands and stop")
+    parser.add_argument("--resume", action="store_true", help="skip the bench_e2e runs an earlier invocation with the "
+                        "same --out finished (a report longer than one device call: repeat the command)")
     parser.add_argument("--from-e2e", nargs="+", metavar="JSON", help="no engines: tabulate saved bench_e2e "
                         "--out JSONs, e.g. one run's out/bench_ddtree/*.json (grouped by workload: the --shape, "
                         "else smollm2; give files of one run only, ratios must not cross runs)")
@@ -423,11 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         meta["runs"] = []
         for path in args.from_e2e:
             result = json.loads(Path(path).read_text())
-            workload = (result.get("meta") or {}).get("shape") or "smollm2"
+            workload = workload_of(result.get("meta") or {})
             by_workload.setdefault(workload, []).append(result)
             meta["runs"].append({"workload": workload, "out": path, "meta": _meta_without_timing(result)})
         rows = [row for workload, results in by_workload.items()
-                for row in rows_from_e2e(workload, results, args.tree_capture_size)]
+                for row in rows_from_e2e(workload, results)]
         return _finish(rows, meta, args.out, png)
 
     runs = build_runs(args)
@@ -439,10 +497,18 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for run in runs:
         cmd = [sys.executable, str(BENCH_E2E), *run["argv"]]
+        done = Path(run["out"]).with_suffix(".done")
+        if args.resume and done.is_file():
+            print(f"[bench_ddtree] {run['workload']} {run['tag']}: done by an earlier call (--resume)", flush=True)
+            meta["runs"].append({**run, "rc": 0, "seconds": float(done.read_text() or 0), "resumed": True,
+                                 "meta": _meta_without_timing(json.loads(Path(run["out"]).read_text()))})
+            continue
         print(f"\n[bench_ddtree] {run['workload']} {run['tag']}: {' '.join(map(_quote, cmd))}", flush=True)
         start = time.perf_counter()
         rc = subprocess.run(cmd, cwd=ROOT).returncode  # bench_e2e prints its own tables as it goes
         seconds = round(time.perf_counter() - start, 1)
+        if rc == 0:
+            done.write_text(str(seconds))
         print(f"[bench_ddtree] {run['workload']} {run['tag']}: exit {rc} after {seconds} s", flush=True)
         if rc:
             failed.append(f"{run['workload']} {run['tag']}")
@@ -450,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         meta["runs"].append({**run, "rc": rc, "seconds": seconds,
                              "meta": _meta_without_timing(json.loads(out.read_text())) if out.is_file() else None})
         # Rewrite the report after every run: a run cut short by a time limit keeps what it measured.
-        _write_json(report(runs, args.tree_capture_size), meta, args.out)
-    rc = _finish(report(runs, args.tree_capture_size), meta, args.out, png)
+        _write_json(report(runs), meta, args.out)
+    rc = _finish(report(runs), meta, args.out, png)
     if failed:
         print(f"[bench_ddtree] failed (partly or wholly): {'; '.join(failed)}", file=sys.stderr)
         return 1
@@ -470,7 +536,7 @@ def _write_json(rows: list[dict], meta: dict, path: str) -> None:
 def _finish(rows: list[dict], meta: dict, out: str, png: str) -> int:
     print()
     print(format_table(rows))
-    shaped = [r for r in rows if r["workload"] != "smollm2" and budget_of(r["config"]) is not None]
+    shaped = [r for r in rows if r["workload"] == "qwen3-8b" and budget_of(r["config"]) is not None]  # τ = 1
     if shaped:
         print(f"\nprojected speed-up over the chain with the paper's τ ({PAPER_TAU_TREE} vs {PAPER_TAU_CHAIN}) and "
               "these step costs:")

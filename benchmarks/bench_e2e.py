@@ -73,6 +73,7 @@ def worker(args: dict) -> dict:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
+    started = time.perf_counter()
     llm = LLM(
         model=args["model"],
         dtype=args["dtype"],
@@ -96,14 +97,18 @@ def worker(args: dict) -> dict:
         seed=0,
         **(hybrid_engine_args() if args["hybrid"] else {}),
     )
+    engine_start_s = time.perf_counter() - started  # weights, compilation, CUDA-graph capture
     engine_config = llm.llm_engine.vllm_config
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                             add_generation_prompt=True)
-               if getattr(tokenizer, "chat_template", None) else p for p in args["prompts"]]
+    if args.get("prefill_tokens"):
+        prompts = prefill_prompts(len(args["prompts"]), args["prefill_tokens"])
+    else:
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True)
+                   if getattr(tokenizer, "chat_template", None) else p for p in args["prompts"]]
     # Random weights (--shape) generate ids past the tokenizer's vocabulary: keep token ids, skip the text.
-    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True,
-                            detokenize=args["load_format"] != "dummy")
+    params = SamplingParams(temperature=0.0, max_tokens=1 if args.get("prefill_tokens") else args["max_tokens"],
+                            ignore_eos=True, detokenize=args["load_format"] != "dummy")
     rows = []
     for batch in args["batch_sizes"]:
         if batch > len(prompts):
@@ -123,15 +128,27 @@ def worker(args: dict) -> dict:
             _profile_pass(llm, groups[0], params, args)
         per_pos = [a - b for a, b in zip(after[2], before[2])] if before[2] else after[2]
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         rows.append({
             "batch": batch,
             "tokens_per_s": tokens / elapsed,
+            "prefill_tokens_per_s": prompt_tokens / elapsed if args.get("prefill_tokens") else None,
             "tau": 1 + accepted / drafts if drafts else None,
             "accepted_per_position": [round(a / drafts, 4) for a in per_pos] if drafts else None,
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         })
     return {"rows": rows, "async_scheduling": bool(engine_config.scheduler_config.async_scheduling),
-            "model_runner": "V2" if engine_config.use_v2_model_runner else "V1"}
+            "model_runner": "V2" if engine_config.use_v2_model_runner else "V1",
+            "engine_start_s": round(engine_start_s, 1)}
+
+
+def prefill_prompts(count: int, length: int) -> list[dict]:
+    """``--prefill-tokens``: ``count`` prompts of ``length`` token ids (fixed pseudo-random ids inside every
+    tokenizer's vocabulary, distinct per prompt so no prefix is shared)."""
+    import random
+
+    rng = random.Random(0)
+    return [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(length)]} for _ in range(count)]
 
 
 def _profile_pass(llm, prompts, params, args) -> None:
@@ -214,6 +231,9 @@ def main() -> None:
                         "the paper's Qwen3-8B MATH-500 7.79 10.73; vLLM's synthetic rejection sampling, DDTree's down "
                         "its best-first path, vllm_ddtree/synthetic_acceptance.py); with --shape, the speed-up at "
                         "that τ; outputs are then not the target's")
+    parser.add_argument("--prefill-tokens", type=int, default=None, metavar="N", help="time prefill instead: "
+                        "--num-prompts prompts of N token ids, one output token each; the table gains prefill tok/s "
+                        "(prompt tokens per second) and its ratio to no-spec's")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name; "
                         "also comma-separated)")
@@ -304,7 +324,8 @@ def main() -> None:
         "model": model, "dtype": args.dtype or ("bfloat16" if on_gpu else "float32"),
         "prompts": load_prompts(args.prompt_set, args.num_prompts), "tensor_parallel_size": args.tensor_parallel_size,
         "load_format": load_format,
-        "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "batch_sizes": args.batch_sizes,
+        "max_tokens": args.max_tokens, "batch_sizes": args.batch_sizes, "prefill_tokens": args.prefill_tokens,
+        "max_model_len": max(args.max_model_len, (args.prefill_tokens or 0) + 64),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "eager": args.eager, "warmup": args.warmup,
         "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
@@ -319,7 +340,8 @@ def main() -> None:
             "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "warmup": args.warmup,
             "dtype": base["dtype"], "prompt_set": args.prompt_set, "prompts": len(base["prompts"]),
             "tensor_parallel_size": args.tensor_parallel_size, "shape": args.shape,
-            "synthetic_acceptance_length": args.synthetic_acceptance_length}
+            "synthetic_acceptance_length": args.synthetic_acceptance_length, "prefill_tokens": args.prefill_tokens,
+            "capture_sizes": args.capture_sizes}
     results: dict[str, dict | None] = {}
     for name, spec, env in configs:
         worker_args = {**base, "spec": spec, "config": name, "profile_dir": args.profile_dir,
@@ -427,7 +449,13 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                                      for j in differ or []],
                 "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
+                "engine_start_s": res.get("engine_start_s"),
             })
+            if row.get("prefill_tokens_per_s"):
+                ref_prefill = ref_row and ref_row.get("prefill_tokens_per_s")
+                table[-1]["prefill_tokens_per_s"] = round(row["prefill_tokens_per_s"], 1)
+                table[-1]["prefill_vs_no_spec"] = round(row["prefill_tokens_per_s"] / ref_prefill, 3) \
+                    if ref_prefill else None
             if res.get("gdn_state_gib_per_request") is not None:
                 table[-1]["gdn_state_gib"] = round(res["gdn_state_gib_per_request"] * row["batch"], 3)
             # the same-backend no-spec on this row's runner (DDTree's kernels and rounding, vLLM's own decode)
@@ -440,13 +468,16 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
 
 def print_table(table: list[dict]) -> None:
     print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} "
-          f"{'differ':>7s}"
-          + (" GDN state GiB" if any("gdn_state_gib" in t for t in table) else ""))
+          f"{'differ':>7s} {'start s':>7s}"
+          + (" GDN state GiB" if any("gdn_state_gib" in t for t in table) else "")
+          + (" prefill tok/s x no-spec" if any("prefill_tokens_per_s" in t for t in table) else ""))
     for t in table:
         print(f"{t['config']:24s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['ms_per_step']:8.2f} "
               f"{t['tau'] or '-':>6} {t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
-              f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d}"
+              f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d} {t['engine_start_s'] or '-':>7}"
               + (f" {t['gdn_state_gib']:13.2f}" if "gdn_state_gib" in t else "")
+              + (f" {t['prefill_tokens_per_s']:13.1f} {t['prefill_vs_no_spec'] or '-':>9}"
+                 if "prefill_tokens_per_s" in t else "")
               + (f" (vs same-backend no-spec {t['outputs_differing_from_same_backend_no_spec']})"
                  if "outputs_differing_from_same_backend_no_spec" in t else ""))
     for t in table:

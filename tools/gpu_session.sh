@@ -23,6 +23,9 @@
 #   tax    the tree tax on the Qwen3-8B shape: step times at batch 1, 8, 32 (bench_e2e.py --shape qwen3-8b)
 #   synthetic  the Qwen3-8B shape at the paper's acceptance (MATH-500: chain τ 7.79, DDTree 10.73) through synthetic
 #          acceptance (vllm_ddtree/synthetic_acceptance.py): end-to-end tokens/s, DDTree against the chain
+#   report  benchmarks/bench_ddtree.py's whole report (tax by batch x budget, the paper's τ, the SmolLM2 pair, 8k
+#          prefill, start-up): longer than one call, so repeat the call until its log ends with the table
+#          (--resume skips the runs earlier calls finished; REPORT_ARGS narrows it, e.g. "--workloads qwen3-8b")
 #   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (V1 runner: the oracle drafter's
 #          seam is in the V1 adapter; float32)
 #   core   tree-core micro-benchmarks (build, walk, attention, compaction; CUDA graphs; checked against references)
@@ -174,6 +177,14 @@ phase_synthetic() {
     --configs "${SYNTH_CONFIGS:-dflash,ddtree B=16,ddtree B=64}" \
     --out "$RESULTS/synthetic.json" > "$RESULTS/synthetic.log" 2>&1
   tail -24 "$RESULTS/synthetic.log"
+}
+
+phase_report() {
+  # Killed on REPORT_TIMEOUT mid-run, the run in flight is redone by the next call; the report is rewritten after
+  # every finished run.
+  timeout "${REPORT_TIMEOUT:-540}" python3 benchmarks/bench_ddtree.py --resume --out "$RESULTS/bench_ddtree.json" \
+    ${REPORT_ARGS:-} >> "$RESULTS/report.log" 2>&1
+  tail -40 "$RESULTS/report.log"
 }
 
 run_equality_tests() {

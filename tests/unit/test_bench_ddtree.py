@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -108,7 +110,7 @@ def test_table_and_json_from_saved_runs(tmp_path):
     assert {r["workload"] for r in report["rows"]} == {"smollm2", "qwen3-8b"}
     assert report["meta"]["phases"]["draft"]["interval"] == "linearised -> build"
     table = bd.format_table(report["rows"])
-    line = next(x for x in table.splitlines() if x.startswith("qwen3-8b  ddtree B=64"))
+    line = next(x for x in table.splitlines() if re.match(r"qwen3-8b +ddtree B=64 ", x))
     assert "+61%" in line and "9.99" in line
     assert "DDTree step breakdown" in table
     pytest.importorskip("matplotlib")
@@ -120,25 +122,66 @@ def test_runs_time_ddtree_per_batch_and_baselines_once(tmp_path):
         return bd.build_runs(bd.parse_args(["--workloads", "smollm2", "qwen3-8b", "--budgets", "16", "64",
                                             "--batch-sizes", "1", "64", "--out", str(tmp_path / "r.json"), *extra]))
 
-    split = runs("--drafter", "d", "--tree-capture-size", "4160")
+    split = runs("--drafter", "d", "--capture-sizes", "vllm")
     assert [(r["workload"], r["tag"]) for r in split] == [
         ("smollm2", "baselines"), ("smollm2", "ddtree_b1"), ("smollm2", "ddtree_b64"),
         ("qwen3-8b", "baselines"), ("qwen3-8b", "ddtree_b1"), ("qwen3-8b", "ddtree_b64")]
     base, tree = split[0]["argv"], split[2]["argv"]
-    assert "--same-backend-baselines" in base and "--step-timing" not in base
+    assert "--same-backend-baselines" not in base and "--step-timing" not in base
     assert base[base.index("--batch-sizes") + 1: base.index("--batch-sizes") + 3] == ["1", "64"]
-    assert base[base.index("--configs") + 1] == "no-spec,dflash,no-spec V1+tri,dflash V1+tri"
+    assert base[base.index("--configs") + 1] == "no-spec,dflash"
     assert "--step-timing" in tree and tree[tree.index("--batch-sizes") + 1] == "64"
     assert tree[tree.index("--configs") + 1] == "ddtree B=16,ddtree B=64"
-    assert tree[tree.index("--tree-capture-size") + 1] == "4160" and tree[-2:] == ["--out", split[2]["out"]]
+    assert tree[tree.index("--capture-sizes") + 1] == "vllm" and tree[-2:] == ["--out", split[2]["out"]]
     assert "--drafter" in base and "--drafter" not in split[3]["argv"]  # --shape replaces the drafter
     assert split[3]["argv"][:2] == ["--shape", "qwen3-8b"]
-    shared = runs("--shared-engines", "--async-ab")
+    shared = runs("--shared-engines", "--async-ab", "--same-backend-baselines")
     assert len(shared) == 2
     argv = shared[0]["argv"]
     assert {"--step-timing", "--same-backend-baselines", "--async-ab"} <= set(argv)
-    assert argv[argv.index("--configs") + 1].endswith("ddtree B=16 async,ddtree B=64 async")
+    assert argv[argv.index("--configs") + 1] == ("no-spec,dflash,no-spec V1+tri,dflash V1+tri,ddtree B=16,"
+                                                 "ddtree B=64,ddtree B=16 async,ddtree B=64 async")
 
+
+def test_paper_tau_and_prefill_workloads_run_what_they_say(tmp_path):
+    runs = bd.build_runs(bd.parse_args(["--workloads", "qwen3-8b-paper-tau", "prefill-8k", "--budgets", "16",
+                                        "--batch-sizes", "1", "8", "--max-tokens", "64", "--out",
+                                        str(tmp_path / "r.json")]))
+    assert [(r["workload"], r["tag"]) for r in runs] == [
+        ("qwen3-8b-paper-tau", "baselines"), ("qwen3-8b-paper-tau", "ddtree_b1"), ("qwen3-8b-paper-tau", "ddtree_b8"),
+        ("prefill-8k", "all")]
+    synthetic = runs[1]["argv"]
+    tau = synthetic.index("--synthetic-acceptance-length")
+    assert synthetic[tau + 1: tau + 3] == ["7.79", "10.73"] and synthetic[:2] == ["--shape", "qwen3-8b"]
+    prefill = runs[-1]["argv"]
+    assert prefill[prefill.index("--prefill-tokens") + 1] == "8192" and "--max-tokens" not in prefill
+    assert prefill[prefill.index("--batch-sizes") + 1: prefill.index("--batch-sizes") + 3] == ["1", "--configs"]
+    assert prefill[prefill.index("--configs") + 1] == "no-spec,dflash,ddtree B=16"
+    assert "--step-timing" not in prefill and prefill[prefill.index("--num-prompts") + 1] == "4"
+    # saved runs find their workload again from bench_e2e's meta
+    assert bd.workload_of({"shape": "qwen3-8b", "synthetic_acceptance_length": [7.79, 10.73]}) == "qwen3-8b-paper-tau"
+    assert bd.workload_of({"shape": "qwen3-8b", "prefill_tokens": 8192}) == "prefill-8k"
+    assert bd.workload_of({"shape": "qwen3-8b"}) == "qwen3-8b" and bd.workload_of({}) == "smollm2"
+
+
+def test_prefill_rows_and_start_up_come_through():
+    meta = {"shape": "qwen3-8b", "prefill_tokens": 8192, "device": "NVIDIA H200", "capture_sizes": "auto"}
+    table = [{"config": "no-spec", "batch": 1, "tokens_per_s": 1.0, "tau": None, "engine_start_s": 61.0,
+              "prefill_tokens_per_s": 40000.0, "prefill_vs_no_spec": 1.0},
+             {"config": "ddtree B=16", "batch": 1, "tokens_per_s": 1.0, "tau": None, "engine_start_s": 95.5,
+              "prefill_tokens_per_s": 38000.0, "prefill_vs_no_spec": 0.95}]
+    rows = {r["config"]: r for r in bd.rows_from_e2e("prefill-8k", [{"meta": meta, "table": table}])}
+    assert rows["ddtree B=16"]["prefill_vs_no_spec"] == 0.95 and rows["ddtree B=16"]["engine_start_s"] == 95.5
+    assert rows["ddtree B=16"]["over_cuda_graph_capture"] is False  # "auto" covers every verify step
+    line = next(x for x in bd.format_table(list(rows.values())).splitlines() if "ddtree B=16" in x)
+    assert "prefill 38000 tok/s, x no-spec 0.950, start 96 s" in line
+
+
+def test_largest_graph_follows_the_capture_choice():
+    assert bd.largest_graph("auto", 520) == 528  # onto vLLM's grid (520 would be truncated to 512)
+    assert bd.largest_graph("auto", 17) == 512 and bd.largest_graph("vllm", 520) == 512
+    assert bd.largest_graph(None, 520) == 512  # runs saved before bench_e2e recorded the choice
+    assert bd.largest_graph("1,8,64", 17) == 64
 
 
 def test_split_runs_combine_per_workload(tmp_path):
@@ -209,3 +252,29 @@ def test_bench_e2e_reads_a_workers_result_line_and_not_a_traceback_quoting_it():
     traceback = '  File "bench_e2e.py", line 190, in main\n    print("BENCH_RESULT " + json.dumps(worker(x)))\n'
     assert be.worker_result("INFO starting\n" + traceback) is None
     assert be.worker_result('(Worker pid=7) partial BENCH_RESULT {"rows": [1]}\nINFO shutdown\n') == {"rows": [1]}
+
+
+def test_resume_skips_the_runs_an_earlier_call_finished(tmp_path, monkeypatch):
+    """A report longer than one device call: the repeated command runs only what is left."""
+    started = []
+
+    def fake_bench_e2e(cmd, cwd):
+        argv = cmd[2:]
+        started.append(argv[argv.index("--configs") + 1])
+        configs = argv[argv.index("--configs") + 1].split(",")
+        table = [{"config": c, "batch": 1, "tokens_per_s": 100.0, "tau": None if c == "no-spec" else 2.0}
+                 for c in configs]
+        Path(argv[argv.index("--out") + 1]).parent.mkdir(parents=True, exist_ok=True)
+        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"meta": {}, "table": table}))
+        return subprocess.CompletedProcess(cmd, 1 if "ddtree B=16" in configs and len(started) < 3 else 0)
+
+    monkeypatch.setattr(bd.subprocess, "run", fake_bench_e2e)
+    argv = ["--workloads", "smollm2", "--budgets", "16", "--batch-sizes", "1", "--out", str(tmp_path / "r.json"),
+            "--png", str(tmp_path / "r.png")]
+    assert bd.main(argv) == 1  # the DDTree run failed (e.g. cut by the call's time limit)
+    assert started == ["no-spec,dflash", "ddtree B=16"]
+    assert bd.main([*argv, "--resume"]) == 0
+    assert started[2:] == ["ddtree B=16"]  # the baselines were not run again
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r.get("resumed", False) for r in report["meta"]["runs"]] == [True, False]
+    assert {r["config"] for r in report["rows"]} == {"no-spec", "dflash", "ddtree B=16"}

@@ -116,6 +116,28 @@ def setup_build(case: Case) -> Step:
     return lambda: build_tree(logits, case.budget, tree, roots)
 
 
+def _verify_build_torch(case: Case) -> str:
+    """The PyTorch beam against the build users run (one Triton launch on CUDA): every field, every row."""
+    logits = _draft_logits(case, seed=3)
+    roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
+    trees = [TreeBatch.allocate(case.batch, case.budget, case.device) for _ in range(2)]
+    build_tree(logits, case.budget, trees[0], roots, use_triton=False)
+    build_tree(logits, case.budget, trees[1], roots)
+    for field in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
+        if not torch.equal(getattr(trees[0], field), getattr(trees[1], field)):
+            return f"{field} differs from the default build's"
+    return "ok"
+
+
+@register("build_torch", verify=_verify_build_torch)
+def setup_build_torch(case: Case) -> Step:
+    """``build`` with the beam and merge as PyTorch ops (about 100 kernels; the CPU engine's path)."""
+    logits = _draft_logits(case)
+    tree = TreeBatch.allocate(case.batch, case.budget, case.device)
+    roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
+    return lambda: build_tree(logits, case.budget, tree, roots, use_triton=False)
+
+
 @register("build_topk")
 def setup_build_topk(case: Case) -> Step:
     """Just the vocabulary-wide part of the build (log_softmax + top-k + tie ordering), for attribution."""
@@ -400,6 +422,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    global ATTN_CTX
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", default="build,walk", help=f"comma list of {sorted(BENCHMARKS)} or 'all'")
@@ -418,7 +441,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
 
     on_gpu = args.device.startswith("cuda")
-    global ATTN_CTX
     ATTN_CTX = args.context
     names = sorted(BENCHMARKS) if args.what == "all" else args.what.split(",")
     unknown = [n for n in names if n not in BENCHMARKS]

@@ -1,4 +1,5 @@
-"""Device tree build (vllm_ddtree/tree/build.py) against the heap reference, node for node, in pop order."""
+"""Device tree build (vllm_ddtree/tree/build.py) against the heap reference, node for node, in pop order: the PyTorch
+build (the CPU engine's) and the one-launch Triton build (CUDA's; TRITON_INTERPRET here, tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree.reference import ancestor_sets_from_bits, brute_force_tree, heap_tree
 
 GARBAGE_ROWS = 1  # a row past the live batch, which the build must leave alone
+BUILDS = pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 
 
 def poisoned_batch(rows: int, budget: int, seed: int) -> TreeBatch:
@@ -21,14 +23,15 @@ def poisoned_batch(rows: int, budget: int, seed: int) -> TreeBatch:
     return batch
 
 
-def check_against_heap(logits: torch.Tensor, budget: int, out_budget: int | None = None, seed: int = 0) -> None:
+def check_against_heap(logits: torch.Tensor, budget: int, out_budget: int | None = None, seed: int = 0,
+                       use_triton: bool = False) -> None:
     """Build on the device path and compare every field of every live row with the heap reference."""
     rows, depth, vocab = logits.shape
     out_budget = out_budget or budget
     out = poisoned_batch(rows + GARBAGE_ROWS, out_budget, seed)
     untouched = [t[rows:].clone() for t in (out.token_ids, out.parents, out.depths, out.ancestor_bits)]
     roots = torch.randint(0, vocab, (rows,))
-    build_tree(logits, budget, out, roots)
+    build_tree(logits, budget, out, roots, use_triton=use_triton)
 
     top_logp, top_ids = per_depth_topk(logits, min(budget, vocab))
     for r in range(rows):
@@ -53,32 +56,35 @@ def check_against_heap(logits: torch.Tensor, budget: int, out_budget: int | None
         assert torch.equal(before, t[rows:])
 
 
+@BUILDS
 @pytest.mark.parametrize("budget", [1, 2, 8, 15, 32, 64, 128])
 @pytest.mark.parametrize("vocab_vs_budget", ["vocab_below_budget", "vocab_above_budget"])
-def test_build_matches_heap_random(budget: int, vocab_vs_budget: str) -> None:
+def test_build_matches_heap_random(budget: int, vocab_vs_budget: str, use_triton: bool) -> None:
     gen = torch.Generator().manual_seed(1000 * budget + len(vocab_vs_budget))
     vocab = max(2, budget // 3) if vocab_vs_budget == "vocab_below_budget" else 2 * budget + 37
     for depth in (1, 5, 16):
         logits = torch.randn(3, depth, vocab, generator=gen) * 2.5
-        check_against_heap(logits, budget, seed=budget + depth)
+        check_against_heap(logits, budget, seed=budget + depth, use_triton=use_triton)
 
 
+@BUILDS
 @pytest.mark.parametrize("budget", [8, 32, 128])
-def test_build_matches_heap_exact_ties(budget: int) -> None:
+def test_build_matches_heap_exact_ties(budget: int, use_triton: bool) -> None:
     """Quantised logits (many equal log-probs, equal path scores) and one-hot rows (log-prob exactly 0)."""
     gen = torch.Generator().manual_seed(budget)
     for vocab in (3, 7, 300):
         quantised = torch.randint(-2, 3, (3, 16, vocab), generator=gen).float()
-        check_against_heap(quantised, budget, seed=vocab)
+        check_against_heap(quantised, budget, seed=vocab, use_triton=use_triton)
         one_hot = torch.full((3, 16, vocab), -1e4)
         one_hot[:, :, 1] = 0.0  # every depth certain: lp = 0, so whole chains tie with their parents
         one_hot[1, ::2] = torch.randint(0, 2, (8, vocab), generator=gen).float()  # mixed exact ties
-        check_against_heap(one_hot, budget, seed=vocab + 1)
+        check_against_heap(one_hot, budget, seed=vocab + 1, use_triton=use_triton)
         uniform = torch.zeros(2, 16, vocab)  # everything ties everywhere
-        check_against_heap(uniform, budget, seed=vocab + 2)
+        check_against_heap(uniform, budget, seed=vocab + 2, use_triton=use_triton)
 
 
-def test_build_matches_heap_float_rounding_ties() -> None:
+@BUILDS
+def test_build_matches_heap_float_rounding_ties(use_triton: bool) -> None:
     """Scores that differ before float32 rounding but coincide after it (huge and tiny log-probs mixed).
 
     This is where a lexicographic rank-tuple tie-break would let a beam drop a prefix; ours must not.
@@ -92,19 +98,21 @@ def test_build_matches_heap_float_rounding_ties() -> None:
     top_logp = torch.sort(top_logp, dim=-1, descending=True).values
     top_ids = torch.stack([torch.randperm(1000, generator=gen)[:k] for _ in range(rows * depth)]).view(rows, depth, k)
     out = poisoned_batch(rows, budget, 3)
-    build_tree_from_topk(top_logp, top_ids, budget, out, torch.zeros(rows, dtype=torch.int64))
+    build_tree_from_topk(top_logp, top_ids, budget, out, torch.zeros(rows, dtype=torch.int64), use_triton)
     for r in range(rows):
         ref = heap_tree(top_logp[r].tolist(), top_ids[r].tolist(), budget)
         assert out.token_ids[r, 1:].tolist() == ref.tokens[1:]
         assert out.parents[r].tolist() == ref.parents
 
 
-def test_budget_below_buffer_and_tiny_trees_pad() -> None:
+@BUILDS
+def test_budget_below_buffer_and_tiny_trees_pad(use_triton: bool) -> None:
     """Budget smaller than the TreeBatch, and trees smaller than the budget (V^1 + ... + V^L < B)."""
     gen = torch.Generator().manual_seed(5)
-    check_against_heap(torch.randn(2, 4, 50, generator=gen), budget=20, out_budget=64)
-    check_against_heap(torch.randn(2, 3, 2, generator=gen), budget=32, out_budget=40)  # 2 + 4 + 8 = 14 nodes
-    check_against_heap(torch.randn(2, 16, 1, generator=gen), budget=32)  # a single chain of 16
+    check_against_heap(torch.randn(2, 4, 50, generator=gen), budget=20, out_budget=64, use_triton=use_triton)
+    check_against_heap(torch.randn(2, 3, 2, generator=gen), budget=32, out_budget=40,  # 2 + 4 + 8 = 14 nodes
+                       use_triton=use_triton)
+    check_against_heap(torch.randn(2, 16, 1, generator=gen), budget=32, use_triton=use_triton)  # a chain of 16
 
 
 def path_scores(tree: TreeBatch, logits: torch.Tensor, rows: int, n: int) -> list[list[float]]:
@@ -142,13 +150,14 @@ def test_first_b_nodes_are_the_tree_of_budget_b(quantised: bool) -> None:
             assert got == pytest.approx(want, abs=1e-4)  # pop order: scores descend, so position by position
 
 
-def test_low_precision_logits_and_determinism() -> None:
+@BUILDS
+def test_low_precision_logits_and_determinism(use_triton: bool) -> None:
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(4, 15, 500, generator=gen) * 3).to(torch.bfloat16)
-    check_against_heap(logits, 64)
+    check_against_heap(logits, 64, use_triton=use_triton)
     first, second = poisoned_batch(4, 64, 1), poisoned_batch(4, 64, 2)
-    build_tree(logits, 64, first, torch.zeros(4, dtype=torch.int64))
-    build_tree(logits, 64, second, torch.zeros(4, dtype=torch.int64))
+    build_tree(logits, 64, first, torch.zeros(4, dtype=torch.int64), use_triton=use_triton)
+    build_tree(logits, 64, second, torch.zeros(4, dtype=torch.int64), use_triton=use_triton)
     for a, b in zip((first.token_ids, first.parents, first.ancestor_bits), (second.token_ids, second.parents,
                                                                            second.ancestor_bits)):
         assert torch.equal(a, b)

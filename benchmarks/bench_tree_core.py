@@ -116,26 +116,26 @@ def setup_build(case: Case) -> Step:
     return lambda: build_tree(logits, case.budget, tree, roots)
 
 
-def _verify_build_torch(case: Case) -> str:
-    """The PyTorch beam against the build users run (one Triton launch on CUDA): every field, every row."""
+def _verify_build_triton(case: Case) -> str:
+    """The one-launch Triton beam against the PyTorch build (the drafters' default): every field, every row."""
     logits = _draft_logits(case, seed=3)
     roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
     trees = [TreeBatch.allocate(case.batch, case.budget, case.device) for _ in range(2)]
-    build_tree(logits, case.budget, trees[0], roots, use_triton=False)
-    build_tree(logits, case.budget, trees[1], roots)
+    build_tree(logits, case.budget, trees[0], roots)
+    build_tree(logits, case.budget, trees[1], roots, use_triton=True)
     for field in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
         if not torch.equal(getattr(trees[0], field), getattr(trees[1], field)):
-            return f"{field} differs from the default build's"
+            return f"{field} differs from the PyTorch build's"
     return "ok"
 
 
-@register("build_torch", verify=_verify_build_torch)
-def setup_build_torch(case: Case) -> Step:
-    """``build`` with the beam and merge as PyTorch ops (about 100 kernels; the CPU engine's path)."""
+@register("build_triton", verify=_verify_build_triton)
+def setup_build_triton(case: Case) -> Step:
+    """``build`` with the beam and merge in one Triton launch (tree/build_triton.py) instead of about 100 kernels."""
     logits = _draft_logits(case)
     tree = TreeBatch.allocate(case.batch, case.budget, case.device)
     roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
-    return lambda: build_tree(logits, case.budget, tree, roots, use_triton=False)
+    return lambda: build_tree(logits, case.budget, tree, roots, use_triton=True)
 
 
 @register("build_topk")

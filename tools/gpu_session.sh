@@ -234,7 +234,7 @@ phase_tests() {
 }
 
 phase_core() {
-  timeout 200 python3 benchmarks/bench_tree_core.py --what build,build_torch,build_topk,walk,attention,kv_compact --graph --verify \
+  timeout 200 python3 benchmarks/bench_tree_core.py --what build,build_triton,build_topk,walk,attention,kv_compact --graph --verify \
     --out "$RESULTS/bench_tree_core.json" > "$RESULTS/core.log" 2>&1
   tail -60 "$RESULTS/core.log"
 }

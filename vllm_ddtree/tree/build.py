@@ -162,13 +162,14 @@ def ancestor_bits_from_parents(parents: torch.Tensor, max_depth: int) -> torch.T
 
 def build_tree(
     draft_logits: torch.Tensor, budget: int, out: TreeBatch, root_token_ids: torch.Tensor,
-    use_triton: bool | None = None,
+    use_triton: bool = False,
 ) -> None:
     """Fill ``out[:R]`` with the DDTree of each row of draft logits [R, L, V] under a budget of B nodes.
 
     B <= out.budget, L <= 16 (any L works; cost is linear in L). root_token_ids [R] becomes node 0's token.
     No host synchronisation; after the first call for a given (B, K, L, device) everything is graph-capturable.
-    ``use_triton`` (default: on CUDA) runs the beam and merge as one launch (build_triton.py), the same trees.
+    ``use_triton`` runs the beam and merge as one launch (build_triton.py), the same trees; not the drafters'
+    default until an H200 has timed and checked it (bench_tree_core.py ``build_triton``).
     """
     k = min(budget, draft_logits.shape[-1])
     top_logp, top_ids = per_depth_topk(draft_logits, k)
@@ -181,7 +182,7 @@ def build_tree_from_topk(
     budget: int,
     out: TreeBatch,
     root_token_ids: torch.Tensor,
-    use_triton: bool | None = None,
+    use_triton: bool = False,
 ) -> None:
     """``build_tree`` from per-depth top-k [R, L, K] (float32 log-probs sorted descending, token ids)."""
     rows, depth, k = top_logp.shape
@@ -190,7 +191,7 @@ def build_tree_from_topk(
     if rows > out.token_ids.shape[0]:
         raise ValueError(f"{rows} rows do not fit a TreeBatch of {out.token_ids.shape[0]}")
     plan = _build_plan(budget, k, depth, top_logp.device)
-    if top_logp.is_cuda if use_triton is None else use_triton:
+    if use_triton:
         from vllm_ddtree.tree.build_triton import build_tree_triton
 
         build_tree_triton(plan, top_logp, top_ids, out, root_token_ids)

@@ -2,17 +2,22 @@
 
 The PyTorch build runs a gather, an add and a stable sort per depth, then a merge and the ancestor bits: about a
 hundred small kernels per step (0.6 ms on an H200 at B = 64, twice the DFlash forward on the SmolLM2 pair). This
-kernel computes the same trees, bit for bit, ties included:
+kernel computes the same trees, bit for bit, ties included (tests/unit/test_tree_build.py holds both builds to the
+heap reference). It is not the drafters' default yet: no H200 has run it (``bench_tree_core.py build_triton``).
+
+How it matches:
 
 - scores are the same float32 sums (parent's score + the candidate's log-prob, one rounding per depth);
-- a stable descending sort is a sort on the key (score, -position), packed into one int64: the float's bits mapped
-  to an order-preserving int32 above, 2^32 - 1 - position below. Positions are the candidate's place in build.py's
+- build.py's stable descending sorts order by (score, -position); here that pair is one int64 key (the float's
+  bits mapped to an order-preserving int32 above, 2^32 - 1 - position below), distinct per entry, and an entry's
+  place in the order is the number of larger keys (``_ranks``). Positions are the candidate's place in build.py's
   (parent position, rank) layout and, in the merge, the member's place in (depth, beam position) order, so equal
   scores keep the order build.py's stable sorts keep;
-- the sorted keys carry their scores back (the map is its own inverse) and their positions (the low word).
+- an entry ranked r < n lands in slot r of the beam (or becomes node r + 1 in the merge), no sort needed.
 
-Per-program state between depths (the beam's scores and candidates, the merge's node numbers) goes through a small
-global workspace with a barrier after each write, since a program's threads read each other's entries.
+Per-program state between depths (the beam's scores and candidates, the keys being ranked, the merge's node numbers)
+goes through a small global workspace with a barrier after each write, since a program's threads read each other's
+entries.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ def _descending_key(score, position):
 
 @triton.jit
 def _ranks(key, key_ws, PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """Each entry's place in descending key order: how many keys are larger (keys are distinct). A comparison count,
-    not a sort: a few vector compares per chunk, where tl.sort's bitonic network is slow to interpret in tests."""
+    """Each entry's place in descending key order: how many keys are larger (real keys are distinct; padding shares
+    the lowest key and the caller masks it). A comparison count, not a sort: a few vector compares per chunk, where
+    tl.sort's bitonic network takes seconds per call to interpret in tests."""
     offs = tl.arange(0, PAD)
     tl.store(key_ws + offs, key)
     tl.debug_barrier()

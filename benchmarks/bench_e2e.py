@@ -96,6 +96,8 @@ def worker(args: dict) -> dict:
         disable_log_stats=False,
         seed=0,
         **(hybrid_engine_args() if args["hybrid"] else {}),
+        # Text prompts on a multimodal target (Qwen3.5/3.6): no vision encoder to build and profile at start-up.
+        limit_mm_per_prompt={"image": 0, "video": 0} if args.get("multimodal") else None,
     )
     engine_start_s = time.perf_counter() - started  # weights, compilation, CUDA-graph capture
     engine_config = llm.llm_engine.vllm_config
@@ -331,6 +333,7 @@ def main() -> None:
         "gpu_memory_utilization": args.gpu_memory_utilization or (0.5 if on_gpu else None),
         "in_process": not on_gpu and args.tensor_parallel_size == 1,
         "hybrid": "linear_num_value_heads" in target_config.get("text_config", target_config),
+        "multimodal": "vision_config" in target_config,
     }
     if base["hybrid"] and on_gpu:
         os.environ.setdefault(HYBRID_GPU_ENV, "1")  # ddtree's GPU hybrid path is experimental (issue 9)

@@ -41,6 +41,9 @@
 set -uo pipefail
 # PYTHONFAULTHANDLER: a process killed by a signal (on 2026-11-30 both ddtree TP=2 workers died without a
 # traceback during vLLM's memory profile) prints its Python stacks.
+# TRITON_CACHE_AUTOTUNING: Triton's autotuning results on disk, so each engine start after the first reuses them
+# (vLLM's FLA GatedDeltaNet kernels autotune; the tiny Qwen3.5's first profiling run took 80 s on 2026-12-01).
+export TRITON_CACHE_AUTOTUNING=1
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/testkit${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-out/gpu}; RESULTS=${RESULTS:-/tmp/ddtree_gpu}; mkdir -p "$OUT" "$RESULTS"
 TRAINED=${TRAINED:-fixtures/dflash-smollm2-135m-b16-l3}  # the trained drafter (README there)

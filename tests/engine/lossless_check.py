@@ -92,9 +92,10 @@ def load_recording(path: str | os.PathLike) -> Recording:
 
 def hybrid_args(model: Path, **extra) -> dict:
     """Engine arguments of every run: bf16 (vLLM's CPU GDN layers run nothing else), float32 recurrent state, no
-    prefix caching of recurrent state (DDTree refuses it on hybrids)."""
+    prefix caching of recurrent state (DDTree refuses it on hybrids), text only (the prompts are token ids; no
+    vision encoder to build and profile at each of the recipe's engine starts)."""
     return dict(model=str(model), dtype="bfloat16", mamba_ssm_cache_dtype="float32", enable_prefix_caching=False,
-                ignore_eos=True, **extra)
+                ignore_eos=True, text_only=True, **extra)
 
 
 def _run(args: dict, teacher: dict[Tokens, list[int]], tmp: str, *, spec: dict | None = None,

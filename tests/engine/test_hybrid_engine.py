@@ -2,7 +2,8 @@
 refused configurations.
 
 The target is the tiny random ``Qwen3_5ForConditionalGeneration`` (how vLLM serves Qwen3.5/3.6 dense models: GDN
-layers with attention every fourth layer, dense MLPs, interleaved M-RoPE, a vision tower present and unused); the
+layers with attention every fourth layer, dense MLPs, interleaved M-RoPE, a vision tower in the checkpoint that these
+text-only runs leave unbuilt: ``limit_mm_per_prompt`` 0); the
 refusal runs on the tiny Qwen3-Next (see ``HYBRIDS`` for why it is not checked on logits). vLLM runs GDN layers in
 bfloat16 only (CPU; on GPU its FLA prefill refuses float32), where no speculative method follows no-spec token for
 token, so losslessness is checked on logits, teacher-forced (lossless_check.py): every tree node's logits equal

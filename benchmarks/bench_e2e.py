@@ -145,8 +145,8 @@ def worker(args: dict) -> dict:
 
 
 def prefill_prompts(count: int, length: int) -> list[dict]:
-    """``--prefill-tokens``: ``count`` prompts of ``length`` token ids (fixed pseudo-random ids inside every
-    tokenizer's vocabulary, distinct per prompt so no prefix is shared)."""
+    """``--prefill-tokens``: ``count`` prompts of ``length`` token ids, fixed pseudo-random ids in [1000, 30000)
+    (inside SmolLM2's and the --shape targets' vocabularies), distinct per prompt so no prefix is shared."""
     import random
 
     rng = random.Random(0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -107,13 +108,17 @@ def _verify_build(case: Case) -> str:
     return "ok"
 
 
-@register("build", verify=_verify_build)
-def setup_build(case: Case) -> Step:
-    """Per-depth log_softmax + top-k over the full vocabulary, beam build, TreeBatch fill."""
+def _build_step(case: Case, use_triton: bool) -> Step:
     logits = _draft_logits(case)
     tree = TreeBatch.allocate(case.batch, case.budget, case.device)
     roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
-    return lambda: build_tree(logits, case.budget, tree, roots)
+    return lambda: build_tree(logits, case.budget, tree, roots, use_triton=use_triton)
+
+
+@register("build", verify=_verify_build)
+def setup_build(case: Case) -> Step:
+    """Per-depth log_softmax + top-k over the full vocabulary, beam build, TreeBatch fill."""
+    return _build_step(case, use_triton=False)
 
 
 def _verify_build_triton(case: Case) -> str:
@@ -132,10 +137,9 @@ def _verify_build_triton(case: Case) -> str:
 @register("build_triton", verify=_verify_build_triton)
 def setup_build_triton(case: Case) -> Step:
     """``build`` with the beam and merge in one Triton launch (tree/build_triton.py) instead of about 100 kernels."""
-    logits = _draft_logits(case)
-    tree = TreeBatch.allocate(case.batch, case.budget, case.device)
-    roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
-    return lambda: build_tree(logits, case.budget, tree, roots, use_triton=True)
+    if not str(case.device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton build needs a GPU here (or TRITON_INTERPRET=1)")
+    return _build_step(case, use_triton=True)
 
 
 @register("build_topk")

@@ -92,7 +92,7 @@ PHASES = (
 )
 # The paper's τ for Qwen3-8B on MATH-500 (arXiv:2604.12989): the DFlash chain and DDTree.
 PAPER_TAU_CHAIN, PAPER_TAU_TREE = 7.79, 10.73
-PREFILL_TOKENS = 8192
+PREFILL_TOKENS, PREFILL_PROMPTS = 8192, 4  # the prefill-8k workload: 4 prompts of 8192 tokens
 # bench_e2e arguments per workload. The 8B shape runs random weights: at τ = 1 (nothing accepted) the step-time ratio
 # is the tree tax; at the paper's τ through synthetic acceptance it is the speed-up a real pair at that τ would see.
 WORKLOADS = {
@@ -344,7 +344,7 @@ def build_runs(args: argparse.Namespace) -> list[dict]:
             common += ["--drafter", args.drafter] if args.drafter else []
         prefill = workload.startswith("prefill")
         for flag, value in (("--max-tokens", None if prefill else args.max_tokens),
-                            ("--num-prompts", 4 if prefill else args.num_prompts),
+                            ("--num-prompts", PREFILL_PROMPTS if prefill else args.num_prompts),
                             ("--prompt-set", None if prefill else args.prompt_set),
                             ("--max-model-len", None if prefill else args.max_model_len),
                             ("--capture-sizes", args.capture_sizes)):

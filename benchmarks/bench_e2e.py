@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddtree_testkit.engine_args import hybrid_engine_args
+from ddtree_testkit.engine_args import TEXT_ONLY_MM_LIMITS, hybrid_engine_args
 from ddtree_testkit.random_dflash import random_dflash_dir
 from ddtree_testkit.shapes import shaped_target_dir
 from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
@@ -96,8 +96,7 @@ def worker(args: dict) -> dict:
         disable_log_stats=False,
         seed=0,
         **(hybrid_engine_args() if args["hybrid"] else {}),
-        # Text prompts on a multimodal target (Qwen3.5/3.6): no vision encoder to build and profile at start-up.
-        limit_mm_per_prompt={"image": 0, "video": 0} if args.get("multimodal") else None,
+        limit_mm_per_prompt=TEXT_ONLY_MM_LIMITS if args.get("multimodal") else None,  # text prompts only
     )
     engine_start_s = time.perf_counter() - started  # weights, compilation, CUDA-graph capture
     engine_config = llm.llm_engine.vllm_config

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# limit_mm_per_prompt for text prompts on a multimodal target (Qwen3.5/3.6): vLLM then builds no vision encoder and
+# skips its start-up profiling.
+TEXT_ONLY_MM_LIMITS = {"image": 0, "video": 0}
+
 
 def hybrid_engine_args() -> dict:
     """vLLM engine arguments for a GatedDeltaNet target in our tests and benchmarks: the recurrent state in float32

@@ -162,7 +162,7 @@ def main() -> None:
         sync_audit.install(audit_file)
     from vllm import LLM, SamplingParams
 
-    from ddtree_testkit.engine_args import hybrid_engine_args
+    from ddtree_testkit.engine_args import TEXT_ONLY_MM_LIMITS, hybrid_engine_args
 
     llm = LLM(
         model=args["model"],
@@ -184,8 +184,7 @@ def main() -> None:
         block_size=args.get("block_size"),
         mamba_ssm_cache_dtype=args.get("mamba_ssm_cache_dtype", "auto"),
         enable_prefix_caching=args.get("enable_prefix_caching"),
-        # Text-only runs of a multimodal target: no vision encoder, none of its start-up profiling.
-        limit_mm_per_prompt={"image": 0, "video": 0} if args.get("text_only") else None,
+        limit_mm_per_prompt=TEXT_ONLY_MM_LIMITS if args.get("text_only") else None,
         # GatedDeltaNet targets on a GPU host without FlashInfer: vLLM's Triton prefill (ddtree_testkit).
         gdn_prefill_backend=hybrid_engine_args().get("gdn_prefill_backend"),
     )

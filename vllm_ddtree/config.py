@@ -237,10 +237,6 @@ def mrv2_gaps(vllm_config: Any) -> list[str]:
         gaps.append("ddtree with data parallelism (untested on Model Runner V2)")
     if parallel.pipeline_parallel_size > 1:
         gaps.append("ddtree with pipeline parallelism")
-    if getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None):
-        # MRV2's DFlash graph manager sizes the drafter's graphs by the schedule's draft counts, while DDTree's
-        # drafter always drafts tree_depth positions: capture fails (H200, 2026-12-01).
-        gaps.append("ddtree with num_speculative_tokens_per_batch_size (adaptive budget: V1 runner only)")
     if getattr(vllm_config.speculative_config, "use_local_argmax_reduction", False):
         gaps.append("ddtree with use_local_argmax_reduction (the tree build needs the full draft logits)")
     from vllm.platforms import current_platform

@@ -86,7 +86,6 @@ def test_on_cuda_model_runner_v2_has_no_gaps(on_cuda):
         ({"parallel_config__data_parallel_size": 2}, "data parallelism"),
         ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
         ({"speculative_config__use_local_argmax_reduction": True}, "use_local_argmax_reduction"),
-        ({"speculative_config__num_speculative_tokens_per_batch_size": [[1, 8, 16]]}, "adaptive budget"),
     ],
 )
 def test_gaps_fall_back_to_v1_and_the_start_up_line_names_them(on_cuda, change, gap):
@@ -94,6 +93,50 @@ def test_gaps_fall_back_to_v1_and_the_start_up_line_names_them(on_cuda, change, 
     gaps = ddtree_config.mrv2_gaps(config)
     assert len(gaps) == 1 and gap in gaps[0]
     assert gap in ddtree_config.describe_runner(config, on_mrv2=False)
+
+
+def test_an_adaptive_budget_runs_on_model_runner_v2(on_cuda):
+    schedule = mrv2_vllm_config(speculative_config__num_speculative_tokens_per_batch_size=[[1, 8, 16]])
+    assert ddtree_config.mrv2_gaps(schedule) == []
+
+
+class _SpecWithSchedule(SimpleNamespace):
+    def uses_dynamic_speculative_decoding(self) -> bool:
+        return self.num_speculative_tokens_per_batch_size is not None
+
+
+@pytest.mark.parametrize("schedule", [None, [[1, 1, 64], [2, 8, 16], [9, 64, 4]]])
+def test_drafter_graphs_have_one_query_length_under_a_budget_schedule(monkeypatch, schedule):
+    """MRV2's graph manager derives per-schedule query lengths as ``b + (query length - B)``: for DDTree's drafter
+    (``1 + depth`` queries, B = 64) that is 16 - 48 = -32 at b = 16. The drafter's graphs must all be ``1 + depth``
+    wide (the target's follow the schedule: vLLM's own derivation, right for a verify of ``1 + b`` rows)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu import cudagraph_utils
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator
+
+    from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
+
+    monkeypatch.setattr(cudagraph_utils, "get_pp_group", lambda: SimpleNamespace(is_first_rank=True, is_last_rank=True))
+    monkeypatch.setattr(type(cudagraph_utils.current_platform), "get_global_graph_pool", lambda self: None)
+    budget, depth, max_seqs = 64, 15, 8
+    vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=max_seqs),
+        compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+                                           max_cudagraph_capture_size=512),
+        parallel_config=SimpleNamespace(data_parallel_size=1, tensor_parallel_size=1),
+        speculative_config=_SpecWithSchedule(num_speculative_tokens_per_batch_size=schedule),
+        num_speculative_tokens=budget,
+    )
+    drafter = object.__new__(DDTreeSpeculator)  # only what init_cudagraph_manager reads
+    drafter.vllm_config, drafter.device, drafter.num_query_per_req = vllm_config, "cpu", 1 + depth
+    drafter.attn_cg_support = SimpleNamespace(
+        min_cg_support=dflash_speculator.AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="FLASH_ATTN")
+    drafter.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    manager = drafter.query_cudagraph_manager
+    widths = {d.uniform_token_count for descs in manager._capture_descs.values() for d in descs}
+    assert widths == {1 + depth}
+    assert manager.vllm_config.speculative_config.num_speculative_tokens_per_batch_size is None
+    assert drafter.vllm_config is vllm_config  # the view was the manager's only
 
 
 def test_off_cuda_is_a_gap(monkeypatch):

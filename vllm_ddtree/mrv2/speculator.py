@@ -18,6 +18,7 @@ It owns the worker's ``TreeVerifyCore``, which it hands to the sampler patch 000
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -70,6 +71,19 @@ class DDTreeSpeculator(DFlashSpeculator):
         warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
         warn_if_tensor_parallel_graphs(vllm_config, device)
         logger.info(describe_runner(vllm_config, on_mrv2=True))
+
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        """DFlash's, seeing no budget schedule: under one, MRV2's graph manager derives the drafter's query lengths
+        as each schedule budget ``b`` plus ``1 + depth - B`` (negative for small ``b``: capture fails), while DDTree's
+        drafter runs ``1 + depth`` queries per request whatever budget the next verify step gets."""
+        vllm_config = self.vllm_config
+        if vllm_config.speculative_config.num_speculative_tokens_per_batch_size is None:
+            return super().init_cudagraph_manager(cudagraph_mode)
+        self.vllm_config = without_budget_schedule(vllm_config)
+        try:
+            super().init_cudagraph_manager(cudagraph_mode)
+        finally:
+            self.vllm_config = vllm_config
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
@@ -197,3 +211,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         if step is not None:
             core.timer.mark("built")
         return draft_tokens
+
+
+def without_budget_schedule(vllm_config: VllmConfig) -> VllmConfig:
+    """A shallow view of ``vllm_config`` whose speculative config has no ``num_speculative_tokens_per_batch_size``
+    (copies, not ``dataclasses.replace``: no ``__post_init__`` runs again); every other part is shared."""
+    spec = copy.copy(vllm_config.speculative_config)
+    spec.num_speculative_tokens_per_batch_size = None
+    view = copy.copy(vllm_config)
+    view.speculative_config = spec
+    return view

@@ -126,7 +126,7 @@ def _verify_build_triton(case: Case) -> str:
     logits = _draft_logits(case, seed=3)
     roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
     trees = [TreeBatch.allocate(case.batch, case.budget, case.device) for _ in range(2)]
-    build_tree(logits, case.budget, trees[0], roots)
+    build_tree(logits, case.budget, trees[0], roots, use_triton=False)
     build_tree(logits, case.budget, trees[1], roots, use_triton=True)
     for field in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
         if not torch.equal(getattr(trees[0], field), getattr(trees[1], field)):
@@ -144,22 +144,56 @@ def setup_build_triton(case: Case) -> Step:
 
 @register("build_topk")
 def setup_build_topk(case: Case) -> Step:
-    """Just the vocabulary-wide part of the build (log_softmax + top-k + tie ordering), for attribution."""
+    """Just the vocabulary-wide part of the build (top-k of the logits, their log-probs, tie ordering)."""
     logits = _draft_logits(case)
     k = min(case.budget, case.vocab)
     return lambda: per_depth_topk(logits, k)
 
 
+def _topk_of_log_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """build_topk before 2026-12-01's fourth session: top-k of the float32 log-softmax of the whole vocabulary."""
+    values, ids = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1, sorted=True)
+    ids, by_id = torch.sort(ids, dim=-1)
+    values, by_value = torch.sort(torch.gather(values + 0.0, -1, by_id), dim=-1, descending=True, stable=True)
+    return values, torch.gather(ids, -1, by_value)
+
+
+def _verify_build_topk_log_softmax(case: Case) -> str:
+    """The same ranks and tokens as build_topk, log-probs within 1e-4 (a different float32 rounding)."""
+    logits = _draft_logits(case, seed=5)
+    k = min(case.budget, case.vocab)
+    (new_logp, new_ids), (old_logp, old_ids) = per_depth_topk(logits, k), _topk_of_log_softmax(logits, k)
+    if not torch.equal(new_ids, old_ids):
+        return "top-k tokens differ"
+    if not torch.allclose(new_logp, old_logp, rtol=0, atol=1e-4):
+        return f"log-probs differ by {float((new_logp - old_logp).abs().max()):.2e}"
+    return "ok"
+
+
+@register("build_topk_log_softmax", verify=_verify_build_topk_log_softmax)
+def setup_build_topk_log_softmax(case: Case) -> Step:
+    """build_topk as it was (log_softmax over the vocabulary first): the baseline of the same call."""
+    logits = _draft_logits(case)
+    k = min(case.budget, case.vocab)
+    return lambda: _topk_of_log_softmax(logits, k)
+
+
 # --- walk ---------------------------------------------------------------------------------------------------
 
 
+def _tree_sample(logits: torch.Tensor, tree: TreeBatch, depth: int, out=None, **sampling):
+    """One target token per node (vLLM's sampling functions), then the walk: what a verify step's sampler does."""
+    from vllm_ddtree.sampler import sample_node_tokens, walk_tree
+
+    return walk_tree(sample_node_tokens(logits, **sampling), tree, depth, out)
+
+
 def _verify_walk(case: Case) -> str:
-    from vllm_ddtree.sampler import tree_sample
     from vllm_ddtree.tree.reference import walk_tree_greedy_reference
 
     tree = _built_tree(case)
     logits = _target_logits(case, tree)
-    out = tree_sample(logits, tree, case.depth, all_greedy=True)
+    out = _tree_sample(logits, tree, case.depth, all_greedy=True)
     post = logits.argmax(-1)
     for r in sorted({0, case.batch - 1}):
         accepted, bonus = walk_tree_greedy_reference(
@@ -175,12 +209,12 @@ def _verify_walk(case: Case) -> str:
 @register("walk", verify=_verify_walk)
 def setup_walk(case: Case) -> Step:
     """Greedy verify: argmax over [R, B+1, V] target logits, then the tree walk into preallocated outputs."""
-    from vllm_ddtree.sampler import TreeWalkOutput, tree_sample
+    from vllm_ddtree.sampler import TreeWalkOutput
 
     tree = _built_tree(case)
     logits = _target_logits(case, tree)
     out = TreeWalkOutput.allocate(case.batch, case.depth, case.device)
-    return lambda: tree_sample(logits, tree, case.depth, all_greedy=True, out=out)
+    return lambda: _tree_sample(logits, tree, case.depth, out, all_greedy=True)
 
 
 @register("walk_core")
@@ -197,15 +231,15 @@ def setup_walk_core(case: Case) -> Step:
 @register("walk_sampled")
 def setup_walk_sampled(case: Case) -> Step:
     """T=0.8 + top-p 0.95 at every node (vLLM's top-k/top-p and sampling functions), then the walk."""
-    from vllm_ddtree.sampler import TreeWalkOutput, tree_sample
+    from vllm_ddtree.sampler import TreeWalkOutput
 
     tree = _built_tree(case)
     logits = _target_logits(case, tree)
     out = TreeWalkOutput.allocate(case.batch, case.depth, case.device)
     temperature = torch.full((case.batch,), 0.8, device=case.device)
     top_p = torch.full((case.batch,), 0.95, device=case.device)
-    return lambda: tree_sample(logits, tree, case.depth, all_greedy=False, all_random=True,
-                               temperature=temperature, top_p=top_p, out=out)
+    return lambda: _tree_sample(logits, tree, case.depth, out, all_greedy=False, all_random=True,
+                                temperature=temperature, top_p=top_p)
 
 
 # --- tree attention / KV compaction (vllm_ddtree.attention, vllm_ddtree.kv_compact) ------------------------

@@ -237,8 +237,10 @@ phase_tests() {
 }
 
 phase_core() {
-  timeout 200 python3 benchmarks/bench_tree_core.py --what build,build_triton,build_topk,walk,attention,kv_compact --graph --verify \
-    --out "$RESULTS/bench_tree_core.json" > "$RESULTS/core.log" 2>&1
+  # CORE_WHAT picks the benchmarks, CORE_ARGS adds options (e.g. "--budgets 16,32,64").
+  timeout "${CORE_TIMEOUT:-200}" python3 benchmarks/bench_tree_core.py \
+    --what "${CORE_WHAT:-build,build_triton,build_topk,build_topk_log_softmax,walk,attention,kv_compact}" --graph \
+    --verify ${CORE_ARGS:-} --out "$RESULTS/bench_tree_core.json" > "$RESULTS/core.log" 2>&1
   tail -60 "$RESULTS/core.log"
 }
 

@@ -163,18 +163,36 @@ def test_low_precision_logits_and_determinism(use_triton: bool) -> None:
         assert torch.equal(a, b)
 
 
-def test_per_depth_topk() -> None:
-    """Top-k values are the true log-probs, best first, equal values ordered by token id, nothing better left out."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_depth_topk(dtype: torch.dtype) -> None:
+    """Top-k values are the log-probs, best first, equal values ordered by token id, nothing better left out."""
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randint(-3, 3, (2, 5, 40), generator=gen).float()
+    logits = torch.randint(-3, 3, (2, 5, 40), generator=gen).to(dtype)
     values, ids = per_depth_topk(logits, 16)
-    logp = torch.log_softmax(logits, dim=-1)
-    assert torch.equal(values, torch.gather(logp, -1, ids))
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    assert torch.allclose(values, torch.gather(logp, -1, ids), rtol=0, atol=1e-6)
     assert (values[..., :-1] >= values[..., 1:]).all()
     tie = values[..., :-1] == values[..., 1:]
     assert (ids[..., :-1] < ids[..., 1:])[tie].all()
-    left_out = logp.scatter(-1, ids, float("-inf"))
-    assert (left_out.amax(-1) <= values[..., -1]).all()
+    left_out = logits.float().scatter(-1, ids, float("-inf"))  # on the logits: exact, ties at the k-th included
+    assert (left_out.amax(-1) <= torch.gather(logits.float(), -1, ids[..., -1:]).squeeze(-1)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_logsumexp_kernel_equals_torch(dtype: torch.dtype) -> None:
+    """The Triton kernel (interpreted here) against torch.logsumexp in float32: rows longer and shorter than a block,
+    -inf entries (masked vocabulary), a row that starts with a run of -inf."""
+    from vllm_ddtree.tree.logsumexp import row_logsumexp
+
+    gen = torch.Generator().manual_seed(9)
+    for vocab in (7, 1024, 2500):
+        logits = (torch.randn(3, 2, vocab, generator=gen) * 4).to(dtype)
+        logits[0, 0, : vocab // 2] = float("-inf")
+        logits[1, 1, ::3] = float("-inf")
+        want = torch.logsumexp(logits.float(), dim=-1)
+        got = row_logsumexp(logits, use_triton=True)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
 
 
 def test_heap_reference_equals_brute_force() -> None:

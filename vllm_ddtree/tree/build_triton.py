@@ -3,7 +3,8 @@
 The PyTorch build runs a gather, an add and a stable sort per depth, then a merge and the ancestor bits: about a
 hundred small kernels per step (0.6 ms on an H200 at B = 64, twice the DFlash forward on the SmolLM2 pair). This
 kernel computes the same trees, bit for bit, ties included (tests/unit/test_tree_build.py holds both builds to the
-heap reference). It is not the drafters' default yet: no H200 has run it (``bench_tree_core.py build_triton``).
+heap reference; ``bench_tree_core.py build_triton`` checks it on the GPU). Its ranking is quadratic in a depth's
+candidates, so the default takes it for small budgets only (build.py ``TRITON_BEAM_MAX_BUDGET``).
 
 How it matches:
 

@@ -33,5 +33,6 @@ def row_logsumexp_triton(logits: torch.Tensor, block: int) -> torch.Tensor:
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    _row_logsumexp_kernel[(flat.shape[0],)](flat, out, vocab, flat.stride(0), BLOCK=min(block, triton.next_power_of_2(vocab)))
+    block = min(block, triton.next_power_of_2(vocab))
+    _row_logsumexp_kernel[(flat.shape[0],)](flat, out, vocab, flat.stride(0), BLOCK=block)
     return out.view(logits.shape[:-1])

@@ -28,6 +28,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14], [20, 21]]
 MAX_TOKENS = 24
 BUDGET = 8
 ORACLE_SEED = 1
+TEACHER_SEED = 2
 # DDTree's GPU path on hybrids is opt-in (config.HYBRID_GPU_ENV); the CPU engine needs nothing.
 GPU_ENV = {"VLLM_DDTREE_HYBRID_GPU": "1"} if torch.cuda.is_available() else {}
 
@@ -92,8 +93,8 @@ class LosslessRuns:
 def lossless(hybrid) -> LosslessRuns:
     _, target, drafter = hybrid
     args = lc.hybrid_args(target, prompt_token_ids=PROMPTS, max_tokens=MAX_TOKENS)
-    continuations = run_engine(**args)["token_ids"]  # greedy no-spec: the teacher S
-    teacher = {tuple(p): list(p) + c for p, c in zip(PROMPTS, continuations)}
+    teacher = lc.seeded_teacher(PROMPTS, MAX_TOKENS, TEACHER_SEED)
+    continuations = [s[len(p):] for p, s in teacher.items()]
     oracle = {"prompt_token_ids": PROMPTS, "continuations": continuations, "seed": ORACLE_SEED}
     tree_result, tree = lc.teacher_run(args, teacher, spec=ddtree_spec(drafter), oracle=oracle, env=GPU_ENV)
     chain_spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": BUDGET - 1}
@@ -123,12 +124,12 @@ def test_ddtree_on_a_hybrid_target_is_lossless_teacher_forced(hybrid, lossless):
     assert per_depth[1] > 0, "the oracle drafter should get paths of two nodes or more accepted"
     assert branch_acceptances(lossless) > 0, "no accepted node off the pop-order chain: parents and relayout untested"
     tree, chain = lossless.report(lossless.tree), lossless.report(lossless.chain)
-    hits, total = lc.greedy_agreement(lossless.tree, lossless.tree.path_keys(lossless.teacher), lossless.teacher)
+    hits, total = lc.greedy_agreement(lossless.tree, lossless.tree.path_keys(lossless.teacher), lossless.reference)
     chain_hits, chain_total = lc.greedy_agreement(lossless.chain, lossless.chain.path_keys(lossless.teacher),
-                                                  lossless.teacher)
+                                                  lossless.reference)
     print(f"\n[{name}] tree rows {len(tree.rows)}: worst deviation {tree.worst:.4f}; chain rows {len(chain.rows)}: "
           f"worst {chain.worst:.4f}; tolerance {lossless.tolerance:.4f}; one token of context moves logits by "
-          f"{tree.separation:.3f} (median); greedy agreement with no-spec along the teacher path: DDTree "
+          f"{tree.separation:.3f} (median); greedy agreement with no-spec at the same contexts: DDTree "
           f"{hits}/{total}, chain {chain_hits}/{chain_total}; accepted branch nodes {branch_acceptances(lossless)}")
     assert lossless.tolerance < tree.separation / 2, "bf16 noise too large to tell a wrong state from a right one"
     worst_rows = sorted(zip(tree.deviations.tolist(), tree.rows), reverse=True)[:5]

@@ -86,6 +86,7 @@ def test_on_cuda_model_runner_v2_has_no_gaps(on_cuda):
         ({"parallel_config__data_parallel_size": 2}, "data parallelism"),
         ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
         ({"speculative_config__use_local_argmax_reduction": True}, "use_local_argmax_reduction"),
+        ({"speculative_config__num_speculative_tokens_per_batch_size": [[1, 8, 16]]}, "adaptive budget"),
     ],
 )
 def test_gaps_fall_back_to_v1_and_the_start_up_line_names_them(on_cuda, change, gap):
@@ -93,11 +94,6 @@ def test_gaps_fall_back_to_v1_and_the_start_up_line_names_them(on_cuda, change, 
     gaps = ddtree_config.mrv2_gaps(config)
     assert len(gaps) == 1 and gap in gaps[0]
     assert gap in ddtree_config.describe_runner(config, on_mrv2=False)
-
-
-def test_an_adaptive_budget_runs_on_model_runner_v2(on_cuda):
-    schedule = mrv2_vllm_config(speculative_config__num_speculative_tokens_per_batch_size=[[1, 8, 16]])
-    assert ddtree_config.mrv2_gaps(schedule) == []
 
 
 class _SpecWithSchedule(SimpleNamespace):

@@ -52,9 +52,10 @@ def per_depth_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     draft_logits [R, L, V] (any float dtype) -> (top_logp [R, L, k] float32, top_ids [R, L, k] int64).
     The top k are taken on the logits as they come (a row's log-softmax is the row shifted by its log-sum-exp:
     the same order and ties, in half the bytes for bf16), and only those k are normalised (logsumexp.py): no
-    float32 log-softmax of the whole vocabulary, which made this step cost 0.55 ms at batch 8 and 2.7 ms at
-    batch 64 on the Qwen3-8B shape (H200, 2026-12-01). Which of several tokens tied at the k-th value gets in is
-    torch.topk's choice; the order inside the k is ours.
+    float32 log-softmax of the whole vocabulary first. On an H200 (Qwen3-8B's vocabulary, bf16, 15 depths, CUDA
+    graphs, bench_tree_core.py build_topk against build_topk_log_softmax, one call) that took this step from 146 /
+    550 / 1472 / 2706 us to 134 / 321 / 753 / 1309 at batch 1 / 8 / 32 / 64. Which of several tokens tied at the
+    k-th value gets in is torch.topk's choice; the order inside the k is ours.
     """
     values, ids = torch.topk(draft_logits, k, dim=-1, sorted=True)
     values = values.float() - row_logsumexp(draft_logits).unsqueeze(-1)
@@ -166,9 +167,11 @@ def ancestor_bits_from_parents(parents: torch.Tensor, max_depth: int) -> torch.T
 
 
 # The one-launch beam's ranking compares every candidate of a depth with every other in one program per request,
-# so it wins where trees are small: B = 16 took 42 us beside the PyTorch beam's 222 (batch 1, H200, Qwen3-8B's
-# vocabulary, 2026-12-01), B = 64 took 680 us beside 402.
-TRITON_BEAM_MAX_BUDGET = 16
+# so it wins where trees are small. Whole builds, CUDA graphs, H200, Qwen3-8B's vocabulary (bench_tree_core.py
+# build / build_triton, 2026-12-01, one call), us at batch 1 / 8 / 64: B = 16 360 / 609 / 1669 with the PyTorch
+# beam against 178 / 381 / 1370 with this one, B = 32 365 / 642 / 1680 against 203 / 390 / 1382, B = 64
+# 550 / 825 / 1860 against 823 / 1007 / 2010.
+TRITON_BEAM_MAX_BUDGET = 32
 
 
 def triton_beam(budget: int, device: torch.device) -> bool:

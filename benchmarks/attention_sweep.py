@@ -1,0 +1,106 @@
+"""Launch configurations of the tree-attention kernel at verify shapes: which tile, warps, stages and KV split
+make one layer's tree verify fastest (issue 19: at batch 1 and B=16 the kernel's 36 layers cost about 1 ms of a
+7 ms step, FlashAttention 3's chain verify a third of that).
+
+Needs only PyTorch and Triton (runs on a GPU host without vLLM). Per case (batch x budget, Qwen3-8B's attention
+shape, a ``--context``-token prefix, trees from the real build), every configuration is checked against the
+default's output and timed as a CUDA graph of ``--layers`` back-to-back calls (launch gaps as inside the model's
+graph), median per call over ``--iters`` replays. Prints a table per case, writes JSON.
+
+    python benchmarks/attention_sweep.py --out out/attention_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_tree_core as core  # noqa: E402
+
+SPLITS = (None, 4, 8, 32)  # None: auto_kv_splits
+LAUNCHES = (None, (64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2))  # block_m, tile, warps, stages
+
+
+def _timed_graph(call, layers: int, iters: int) -> float:
+    """Median microseconds per call of a graph replaying ``call`` ``layers`` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            call()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / layers)
+    return statistics.median(times)
+
+
+def sweep_case(batch: int, budget: int, context: int, layers: int, iters: int) -> list[dict]:
+    from vllm_ddtree.attention.triton_tree import tree_attention
+
+    core.ATTN_CTX = context
+    case = core.Case(batch, budget, 15, 151936, "cuda", torch.bfloat16)
+    x = core._attn_inputs(case)
+    args = (x["q"], x["k"], x["v"], x["out"], x["qsl"], x["seq_lens"], x["block_table"], x["bits"], core.ATTN_D**-0.5)
+    reference = tree_attention(*args).float().clone()
+    rows = []
+    for splits, launch in itertools.product(SPLITS, LAUNCHES):
+        kwargs = {"num_kv_splits": splits}
+        if launch is not None:
+            kwargs.update(zip(("block_m", "tile_size", "num_warps", "num_stages"), launch))
+        row = {"batch": batch, "budget": budget, "context": context, "splits": splits or "auto",
+               "launch": "default" if launch is None else "/".join(map(str, launch))}
+        try:
+            out = tree_attention(*args, **kwargs).float()
+            err = float((out - reference).norm() / reference.norm())
+            row["rel_err"] = err
+            if err < 1e-2:
+                row["us"] = _timed_graph(lambda kw=kwargs: tree_attention(*args, **kw), layers, iters)
+        except Exception as exc:  # a configuration the kernel cannot run (shared memory, registers)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="1x16,1x64,8x16,8x64", help="comma list of BATCHxBUDGET")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", default="out/attention_sweep.json")
+    args = parser.parse_args(argv)
+    rows = []
+    for spec in args.cases.split(","):
+        batch, budget = map(int, spec.split("x"))
+        case_rows = sweep_case(batch, budget, args.context, args.layers, args.iters)
+        rows += case_rows
+        timed = sorted((r for r in case_rows if "us" in r), key=lambda r: r["us"])
+        default = next((r for r in case_rows if r["splits"] == "auto" and r["launch"] == "default"), {})
+        print(f"\nbatch {batch}, B={budget}, context {args.context}: default {default.get('us', float('nan')):.1f} us")
+        for r in timed[:6]:
+            print(f"  splits {r['splits']!s:>4}  launch {r['launch']:>13}  {r['us']:7.1f} us")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

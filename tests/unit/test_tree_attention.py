@@ -382,10 +382,28 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     assert forward(None).eq(7.0).all() and len(calls) == 2  # profiling run: vLLM's
     assert_close(forward(metadata), reference, torch.float32)  # a full verify batch: the tree kernel, every row
     assert len(calls) == 2
+    from vllm_ddtree.attention import triton_tree
+
+    kernel_calls = []
+    real_kernel = triton_tree.tree_attention
+
+    def spy(*args, **kwargs):
+        kernel_calls.append(kwargs)
+        return real_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_tree, "tree_attention", spy)
     other_width = SimpleNamespace(**{**vars(metadata), "max_query_len": 9})
-    assert forward(other_width).eq(7.0).all() and len(calls) == 3  # no verify step in flight: vLLM's only
+    tree_rows[1] = -1  # as outside every verify forward
+    # No verify step in flight: vLLM's output; the first such call runs the tree-rows variant once (every row -1:
+    # it writes nothing) so that it is compiled before serving, later ones do not.
+    assert forward(other_width).eq(7.0).all() and len(calls) == 3 and len(kernel_calls) == 1
+    assert forward(other_width).eq(7.0).all() and len(calls) == 4 and len(kernel_calls) == 1
+    tree_rows[1] = 1
     inputs.step = object()
     mixed = forward(other_width)
-    assert len(calls) == 4
+    assert len(calls) == 5 and len(kernel_calls) == 2
     assert mixed[:8].eq(7.0).all()  # the causal request keeps vLLM's output
     assert_close(mixed[8:], reference[8:], torch.float32)  # the tree request's rows are the tree kernel's
+    # Tree rows only: the tile shape follows the tree's width (1 + B), not the batch's longest query.
+    assert [k["tree_rows_only"] for k in kernel_calls] == [True, True]
+    assert [k["max_query_len"] for k in kernel_calls] == [c.bits.shape[1]] * 2

@@ -90,6 +90,7 @@ class TreeRowsMixin:
     """The GPU rule of the module docstring, over the backend's own ``forward`` (FlashAttention or Triton)."""
 
     tree_inputs = None  # verify_core.TreeAttentionInputs, on the target's layers only
+    _rows_only_compiled = False  # per layer: the tree-rows-only kernel variant has run once
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         inputs = self.tree_inputs
@@ -102,8 +103,14 @@ class TreeRowsMixin:
             return output
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()  # (no step in flight there anyway)
-        if inputs.step is not None and not capturing:
+        if capturing:
+            return output
+        if inputs.step is not None or (not self._rows_only_compiled and kv_cache.numel()):
+            # Without a step in flight every tree row is -1 and the kernel writes nothing: the first such call (vLLM's
+            # warm-up passes) only compiles the tree-rows variant, which mid-serving JIT'd otherwise (H200,
+            # 2026-12-01: vLLM's JIT monitor flagged _tree_attn_kernel at the first mixed batch).
             self._tree_attention(query, kv_cache, attn_metadata, output, inputs, tree_rows_only=True)
+            self._rows_only_compiled = True
         return output
 
     def _tree_attention(self, query, kv_cache, attn_metadata, output, inputs, *, tree_rows_only: bool) -> None:
@@ -123,7 +130,9 @@ class TreeRowsMixin:
             inputs.ancestor_bits,
             self.scale,
             tree_rows=inputs.tree_rows[:r],
-            max_query_len=attn_metadata.max_query_len,
+            # Tree rows only: their queries are at most 1 + B wide whatever else the batch holds (a prefill chunk),
+            # so the tile shape, and the one compiled variant, follow the tree.
+            max_query_len=inputs.ancestor_bits.shape[1] if tree_rows_only else attn_metadata.max_query_len,
             tree_rows_only=tree_rows_only,
         )
 

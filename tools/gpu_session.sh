@@ -202,8 +202,9 @@ run_equality_tests() {
 phase_hybrid() {
   # Issue 20 on GPU: the teacher-forced lossless test of DDTree on the tiny Qwen3_5ForConditionalGeneration (tree
   # Triton kernels behind patch 0005's hooks, CUDA graphs, bf16: FLA's GDN prefill refuses float32), every run on
-  # DDTree's runner and attention backend so the tolerance measured on the chain covers the same kernels. Four engine
-  # runs (no-spec, DDTree, the chain, the reference prefill): more than 7 minutes (2026-12-01: 430 s were not enough). HYBRID_K="qwen3_5" adds the two
+  # DDTree's runner and attention backend so the tolerance measured on the chain covers the same kernels. Three engine
+  # runs (DDTree, the chain, the reference prefill; the teacher is seeded, not a no-spec run since the fourth session
+  # of 2026-12-01), about 150 s each on the H200: about 8 minutes. HYBRID_K="qwen3_5" adds the two
   # fault runs that show the check failing (about 2 more minutes); "" runs the Qwen3-Next target too.
   python3 -c "import torchvision" 2>/dev/null || echo "hybrid: no torchvision here: vLLM cannot import Qwen3.5 \
 (carry torchvision-0.26.0-cp312-cp312-manylinux_2_28_x86_64.whl under .gpu/m*/ for phase setup)"

@@ -170,6 +170,43 @@ def _verify_build_topk_log_softmax(case: Case) -> str:
     return "ok"
 
 
+def _topk_two_stage(logits: torch.Tensor, k: int, chunks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A candidate for build_topk at small batch: top-k within ``chunks`` slices of each row (batch x 15 x chunks
+    short rows in parallel instead of batch x 15 long ones), then top-k of the chunk winners. The same set up to
+    which token of a tie at the k-th value gets in; normalised and ordered as per_depth_topk does."""
+    from vllm_ddtree.tree.logsumexp import row_logsumexp
+
+    rows, depth, vocab = logits.shape
+    width = -(-vocab // chunks)
+    padded = torch.nn.functional.pad(logits, (0, chunks * width - vocab), value=float("-inf"))
+    part_values, part_ids = torch.topk(padded.view(rows, depth, chunks, width), min(k, width), dim=-1)
+    part_ids = part_ids + (torch.arange(chunks, device=logits.device) * width)[:, None]
+    values, pick = torch.topk(part_values.flatten(2), k, dim=-1)
+    ids = torch.gather(part_ids.flatten(2), -1, pick)
+    values = values.float() - row_logsumexp(logits).unsqueeze(-1) + 0.0
+    ids, by_id = torch.sort(ids, dim=-1)
+    values, by_value = torch.sort(torch.gather(values, -1, by_id), dim=-1, descending=True, stable=True)
+    return values, torch.gather(ids, -1, by_value)
+
+
+def _verify_build_topk_two_stage(case: Case) -> str:
+    """The same log-probs as build_topk, position by position; the same tokens where no tie straddles the k-th."""
+    logits = _draft_logits(case, seed=5)
+    k = min(case.budget, case.vocab)
+    (new_logp, new_ids), (ref_logp, ref_ids) = _topk_two_stage(logits, k), per_depth_topk(logits, k)
+    if not torch.equal(new_logp, ref_logp):
+        return "log-probs differ"
+    return "ok" if torch.equal(new_ids, ref_ids) else "ok (tokens differ only within ties)"
+
+
+@register("build_topk_two_stage", verify=_verify_build_topk_two_stage)
+def setup_build_topk_two_stage(case: Case) -> Step:
+    """build_topk's top-k in two stages (per-chunk, then across chunks): more parallel at small batch."""
+    logits = _draft_logits(case)
+    k = min(case.budget, case.vocab)
+    return lambda: _topk_two_stage(logits, k)
+
+
 @register("build_topk_log_softmax", verify=_verify_build_topk_log_softmax)
 def setup_build_topk_log_softmax(case: Case) -> Step:
     """build_topk as it was (log_softmax over the vocabulary first): the baseline of the same call."""

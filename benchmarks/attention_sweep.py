@@ -28,27 +28,14 @@ SPLITS = (None, 4, 8, 32)  # None: auto_kv_splits
 LAUNCHES = (None, (64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2))  # block_m, tile, warps, stages
 
 
-def _timed_graph(call, layers: int, iters: int) -> float:
-    """Median microseconds per call of a graph replaying ``call`` ``layers`` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def _timed_layers(call, layers: int, iters: int) -> float:
+    """Median microseconds per call of a graph replaying ``call`` ``layers`` times (bench_tree_core's timer)."""
+
+    def step():
         for _ in range(layers):
             call()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(times)
+
+    return statistics.median(core._time_graph(step, iters)) / layers
 
 
 def sweep_case(batch: int, budget: int, context: int, layers: int, iters: int) -> list[dict]:
@@ -71,7 +58,7 @@ def sweep_case(batch: int, budget: int, context: int, layers: int, iters: int) -
             err = float((out - reference).norm() / reference.norm())
             row["rel_err"] = err
             if err < 1e-2:
-                row["us"] = _timed_graph(lambda kw=kwargs: tree_attention(*args, **kw), layers, iters)
+                row["us"] = _timed_layers(lambda kw=kwargs: tree_attention(*args, **kw), layers, iters)
         except Exception as exc:  # a configuration the kernel cannot run (shared memory, registers)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
         rows.append(row)

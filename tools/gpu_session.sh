@@ -29,6 +29,7 @@
 #   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (V1 runner: the oracle drafter's
 #          seam is in the V1 adapter; float32)
 #   core   tree-core micro-benchmarks (build, walk, attention, compaction; CUDA graphs; checked against references)
+#   sweep  the tree-attention kernel's launch configurations at verify shapes (benchmarks/attention_sweep.py)
 #   acceptance  τ by budget, chain vs tree, T=0 and T=1 (benchmarks/acceptance.py) for the trained drafter
 #   quality  lm-eval quality regression, no-spec vs DDTree servers, bf16 (benchmarks/quality_regression.py)
 #   load   the load and fault test of the server (benchmarks/load_test.py)
@@ -240,9 +241,17 @@ phase_tests() {
 phase_core() {
   # CORE_WHAT picks the benchmarks, CORE_ARGS adds options (e.g. "--budgets 16,32,64").
   timeout "${CORE_TIMEOUT:-200}" python3 benchmarks/bench_tree_core.py \
-    --what "${CORE_WHAT:-build,build_triton,build_topk,build_topk_log_softmax,walk,attention,kv_compact}" --graph \
+    --what "${CORE_WHAT:-build,build_triton,build_topk,build_topk_two_stage,walk,attention,kv_compact}" --graph \
     --verify ${CORE_ARGS:-} --out "$RESULTS/bench_tree_core.json" > "$RESULTS/core.log" 2>&1
   tail -60 "$RESULTS/core.log"
+}
+
+phase_sweep() {
+  # The tree-attention kernel's launch configurations at verify shapes (benchmarks/attention_sweep.py: PyTorch and
+  # Triton only, so it also runs before setup); SWEEP_ARGS passes options (e.g. "--context 4096").
+  timeout "${SWEEP_TIMEOUT:-200}" python3 benchmarks/attention_sweep.py --out "$RESULTS/attention_sweep.json" \
+    ${SWEEP_ARGS:-} > "$RESULTS/sweep.log" 2>&1
+  grep -v '^{' "$RESULTS/sweep.log" | tail -40
 }
 
 smollm2_pair() {

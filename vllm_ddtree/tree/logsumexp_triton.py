@@ -17,9 +17,9 @@ def _row_logsumexp_kernel(x_ptr, out_ptr, n_cols, row_stride, BLOCK: tl.constexp
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(lane_max, x)
-        live = new_max > float("-inf")  # a lane with nothing but -inf so far stays at sum 0 (no -inf - -inf)
-        rescaled = lane_sum * tl.exp(lane_max - new_max) + tl.exp(x - new_max)
-        lane_sum = tl.where(live, rescaled, 0.0)
+        # A lane with nothing but -inf so far keeps sum 0: shift by 0 there, never by -inf (-inf - -inf is NaN).
+        shift = tl.where(new_max > float("-inf"), new_max, 0.0)
+        lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
         lane_max = new_max
     row_max = tl.max(lane_max, axis=0)
     live = lane_max > float("-inf")

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_ddtree.tree.build import build_tree, per_depth_topk  # noqa: E402
+from vllm_ddtree.tree.build import build_tree, order_topk, per_depth_topk  # noqa: E402
 from vllm_ddtree.tree.layout import TreeBatch  # noqa: E402
 
 
@@ -142,20 +142,22 @@ def setup_build_triton(case: Case) -> Step:
     return _build_step(case, use_triton=True)
 
 
+def _topk_step(case: Case, topk: Callable[[torch.Tensor, int], tuple]) -> Step:
+    logits = _draft_logits(case)
+    k = min(case.budget, case.vocab)
+    return lambda: topk(logits, k)
+
+
 @register("build_topk")
 def setup_build_topk(case: Case) -> Step:
     """Just the vocabulary-wide part of the build (top-k of the logits, their log-probs, tie ordering)."""
-    logits = _draft_logits(case)
-    k = min(case.budget, case.vocab)
-    return lambda: per_depth_topk(logits, k)
+    return _topk_step(case, per_depth_topk)
 
 
 def _topk_of_log_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """build_topk before 2026-12-01's fourth session: top-k of the float32 log-softmax of the whole vocabulary."""
     values, ids = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1, sorted=True)
-    ids, by_id = torch.sort(ids, dim=-1)
-    values, by_value = torch.sort(torch.gather(values + 0.0, -1, by_id), dim=-1, descending=True, stable=True)
-    return values, torch.gather(ids, -1, by_value)
+    return order_topk(values, ids)
 
 
 def _verify_build_topk_log_softmax(case: Case) -> str:
@@ -183,10 +185,7 @@ def _topk_two_stage(logits: torch.Tensor, k: int, chunks: int = 64) -> tuple[tor
     part_ids = part_ids + (torch.arange(chunks, device=logits.device) * width)[:, None]
     values, pick = torch.topk(part_values.flatten(2), k, dim=-1)
     ids = torch.gather(part_ids.flatten(2), -1, pick)
-    values = values.float() - row_logsumexp(logits).unsqueeze(-1) + 0.0
-    ids, by_id = torch.sort(ids, dim=-1)
-    values, by_value = torch.sort(torch.gather(values, -1, by_id), dim=-1, descending=True, stable=True)
-    return values, torch.gather(ids, -1, by_value)
+    return order_topk(values.float() - row_logsumexp(logits).unsqueeze(-1), ids)
 
 
 def _verify_build_topk_two_stage(case: Case) -> str:
@@ -202,17 +201,13 @@ def _verify_build_topk_two_stage(case: Case) -> str:
 @register("build_topk_two_stage", verify=_verify_build_topk_two_stage)
 def setup_build_topk_two_stage(case: Case) -> Step:
     """build_topk's top-k in two stages (per-chunk, then across chunks): more parallel at small batch."""
-    logits = _draft_logits(case)
-    k = min(case.budget, case.vocab)
-    return lambda: _topk_two_stage(logits, k)
+    return _topk_step(case, _topk_two_stage)
 
 
 @register("build_topk_log_softmax", verify=_verify_build_topk_log_softmax)
 def setup_build_topk_log_softmax(case: Case) -> Step:
     """build_topk as it was (log_softmax over the vocabulary first): the baseline of the same call."""
-    logits = _draft_logits(case)
-    k = min(case.budget, case.vocab)
-    return lambda: _topk_of_log_softmax(logits, k)
+    return _topk_step(case, _topk_of_log_softmax)
 
 
 # --- walk ---------------------------------------------------------------------------------------------------

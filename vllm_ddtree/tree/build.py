@@ -58,13 +58,16 @@ def per_depth_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     k-th value gets in is torch.topk's choice; the order inside the k is ours.
     """
     values, ids = torch.topk(draft_logits, k, dim=-1, sorted=True)
-    values = values.float() - row_logsumexp(draft_logits).unsqueeze(-1)
+    return order_topk(values.float() - row_logsumexp(draft_logits).unsqueeze(-1), ids)
+
+
+def order_topk(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k (float32 log-probs, token ids) in the build's rank order: descending value, equal values by token id."""
     values = values + 0.0  # -0.0 -> +0.0, so radix sorts on the device see one zero
     ids, by_id = torch.sort(ids, dim=-1)
     values = torch.gather(values, -1, by_id)
     values, by_value = torch.sort(values, dim=-1, descending=True, stable=True)
-    ids = torch.gather(ids, -1, by_value)
-    return values, ids
+    return values, torch.gather(ids, -1, by_value)
 
 
 @dataclass(frozen=True)

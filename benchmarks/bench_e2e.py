@@ -33,6 +33,7 @@ from ddtree_testkit.random_dflash import random_dflash_dir
 from ddtree_testkit.shapes import shaped_target_dir
 from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
+from vllm_ddtree.attention.backend import TREE_KERNEL_PREFIX_ENV
 from vllm_ddtree.config import BENCHMARK_ENV, HYBRID_GPU_ENV
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
@@ -218,6 +219,9 @@ def main() -> None:
     parser.add_argument("--budget-schedule", type=json.loads, default=None, help="also run 'ddtree adaptive': the "
                         "adaptive budget, as vLLM's num_speculative_tokens_per_batch_size, e.g. "
                         "'[[1, 4, 64], [5, 16, 32], [17, 256, 16]]' (bench_ddtree.py prints one from its measurements)")
+    parser.add_argument("--tree-kernel-prefix", action="store_true", help="also run every budget with the tree "
+                        "kernel attending to the prefix too (VLLM_DDTREE_TREE_KERNEL_PREFIX=1) as 'ddtree B=<b> "
+                        "tree-kernel prefix'; by default FLASH_ATTN's verify runs the prefix on FlashAttention")
     parser.add_argument("--v1", action="store_true", help="also run every budget on the V1 model runner "
                         "(VLLM_USE_V2_MODEL_RUNNER=0) as 'ddtree B=<b> V1'; on GPU ddtree runs on Model Runner V2 "
                         "where vLLM does (dense targets)")
@@ -302,6 +306,8 @@ def main() -> None:
                                             **drafter_load}, {}))
     if args.async_ab:
         configs += [(f"{name} async", spec, {"BENCH_ASYNC_SCHEDULING": "1"}) for name, spec, _ in trees]
+    if args.tree_kernel_prefix:
+        configs += [(f"{name} tree-kernel prefix", spec, {TREE_KERNEL_PREFIX_ENV: "1"}) for name, spec, _ in trees]
     if args.v1:
         configs += [(f"{name} V1", spec, {"VLLM_USE_V2_MODEL_RUNNER": "0"}) for name, spec, _ in trees]
     if args.configs:

@@ -311,16 +311,21 @@ def _run_attention(x: dict, device: str) -> torch.Tensor:
     return tree_attention_torch(*args)
 
 
-def _verify_attention(case: Case) -> str:
+def _against_torch_path(x: dict, got: torch.Tensor) -> str:
+    """Verdict on one layer's tree attention output against the PyTorch path on the same inputs."""
     from vllm_ddtree.attention.torch_tree import tree_attention_torch
 
-    x = _attn_inputs(case)
-    got = _run_attention(x, case.device).float().clone()
+    got = got.float().clone()
     ref = torch.empty_like(x["q"])
     tree_attention_torch(x["q"], x["k"], x["v"], ref, x["qsl"], x["seq_lens"], x["block_table"], x["bits"],
                          ATTN_D**-0.5)
     err = ((got - ref.float()).norm() / ref.float().norm()).item()
     return "ok" if err < 2e-2 else f"relative error {err:.2e} vs the PyTorch path"
+
+
+def _verify_attention(case: Case) -> str:
+    x = _attn_inputs(case)
+    return _against_torch_path(x, _run_attention(x, case.device))
 
 
 @register("attention", verify=_verify_attention)
@@ -360,6 +365,29 @@ def setup_attention_fa3_prefix(case: Case) -> Step:
     tree attention split into prefix + tree block, merged by log-sum-exp."""
     x = _fa_inputs(case)
     return lambda: _flash(x, causal=False, prefix_only=True)
+
+
+def _fa3_split(x: dict) -> torch.Tensor:
+    """What TreeFlashAttentionImpl runs for a full verify batch: FlashAttention 3 over the prefix, then the tree
+    kernel over the tree block, merged into FlashAttention's output by log-sum-exp."""
+    from vllm_ddtree.attention.triton_tree import tree_attention
+
+    _, lse = _flash(x, causal=False, prefix_only=True)
+    return tree_attention(x["q"], x["k"], x["v"], x["out"], x["qsl"], x["seq_lens"], x["block_table"], x["bits"],
+                          ATTN_D**-0.5, prefix_lse=lse)
+
+
+def _verify_attention_fa3_split(case: Case) -> str:
+    x = _fa_inputs(case)
+    return _against_torch_path(x, _fa3_split(x))
+
+
+@register("attention_fa3_split", verify=_verify_attention_fa3_split)
+def setup_attention_fa3_split(case: Case) -> Step:
+    """The FLASH_ATTN backend's tree attention: FlashAttention 3 over the prefix + the tree kernel over the block
+    (compare ``attention``, the tree kernel over every key, and ``attention_fa3``, the chain's causal verify)."""
+    x = _fa_inputs(case)
+    return lambda: _fa3_split(x)
 
 
 def _compact_inputs(case: Case) -> tuple:

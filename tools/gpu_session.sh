@@ -142,10 +142,10 @@ phase_profile() {
   # engine in-process), the chain against DDTree, on a Qwen3-8B-shaped random target (nothing accepted), then the
   # comparison table (benchmarks/kernel_profile.py). PROFILE_RUNS: "configs|budgets|batches" groups.
   # Attention micro-benchmarks first: our tree kernel against FlashAttention 3 at verify shapes.
-  # Context 0 times the tree block alone: FA3 over the prefix + that + a log-sum-exp merge would be the split path.
+  # attention_fa3_split is what FLASH_ATTN runs for a verify batch: FA3 over the prefix, the tree kernel over the block.
   local run configs budgets batches context
   for context in ${PROFILE_CONTEXTS:-0 1024 4096}; do
-    timeout 120 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_prefix \
+    timeout 120 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_split \
       --batches 1,8 --budgets 16,64 --graph --context "$context" --out "$RESULTS/attention_core_$context.json" \
       > "$RESULTS/attention_core_$context.log" 2>&1
     echo "context $context"; tail -13 "$RESULTS/attention_core_$context.log"
@@ -241,7 +241,7 @@ phase_tests() {
 phase_core() {
   # CORE_WHAT picks the benchmarks, CORE_ARGS adds options (e.g. "--budgets 16,32,64").
   timeout "${CORE_TIMEOUT:-200}" python3 benchmarks/bench_tree_core.py \
-    --what "${CORE_WHAT:-build,build_triton,build_topk,build_topk_two_stage,walk,attention,kv_compact}" --graph \
+    --what "${CORE_WHAT:-build,build_triton,build_topk,build_topk_two_stage,walk,attention,attention_fa3,attention_fa3_split,kv_compact}" --graph \
     --verify ${CORE_ARGS:-} --out "$RESULTS/bench_tree_core.json" > "$RESULTS/core.log" 2>&1
   tail -60 "$RESULTS/core.log"
 }

@@ -357,6 +357,7 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     impl = impl_cls.__new__(impl_cls)
     impl.num_heads, impl.head_size, impl.scale = c.hq, c.d, c.scale
     impl.attn_type = backend.AttentionType.DECODER
+    impl.vllm_flash_attn_version = None  # the tree kernel on every key (the prefix split: the test below)
     tree_rows = torch.full((4,), -1, dtype=torch.int32)
     tree_rows[1] = 1  # request 1 verifies the tree in row 1; request 0 is causal
     inputs = TreeAttentionInputs(c.bits, tree_rows, frozenset({8}))
@@ -407,3 +408,133 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     # Tree rows only: the tile shape follows the tree's width (1 + B), not the batch's longest query.
     assert [k["tree_rows_only"] for k in kernel_calls] == [True, True]
     assert [k["max_query_len"] for k in kernel_calls] == [c.bits.shape[1]] * 2
+
+
+def prefix_attention(c: Case, empty_lse: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What FlashAttention computes for the prefix split: each row's softmax over its request's keys ``< ctx``
+    (non-causal), in the query dtype, and its natural log-sum-exp ``[Hq, T]`` float32; rows without a prefix get
+    output 0 and ``empty_lse`` (FlashAttention 3 writes -inf, FlashAttention 2 +inf)."""
+    g = c.hq // c.hkv
+    out = torch.zeros_like(c.q)
+    lse = torch.full((c.hq, c.num_tokens + 3), float("nan"))[:, : c.num_tokens]  # strided, like a sliced buffer
+    q0 = 0
+    for r in range(c.R):
+        ctx, n = c.ctx[r], c.qlen[r]
+        if ctx == 0:
+            lse[:, q0 : q0 + n] = empty_lse
+        else:
+            k = c.keys[r][:ctx].double().repeat_interleave(g, 1)
+            v = c.values[r][:ctx].double().repeat_interleave(g, 1)
+            s = torch.einsum("nhd,shd->hns", c.q[q0 : q0 + n].double(), k) * c.scale
+            out[q0 : q0 + n] = torch.einsum("hns,shd->nhd", torch.softmax(s, -1), v).to(c.dtype)
+            lse[:, q0 : q0 + n] = torch.logsumexp(s, -1).float()
+        q0 += n
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype,empty_lse", [(torch.float32, float("-inf")), (torch.bfloat16, float("inf")),
+                                             (torch.float32, float("nan"))], ids=["fp32-fa3", "bf16-fa2", "nan"])
+def test_merges_a_prefix_attended_elsewhere(dtype, empty_lse):
+    """``prefix_lse``: ``out`` holds FlashAttention's attention over each request's prefix and the kernel adds this
+    step's block in place (tree rows through their ancestors, causal rows causally; an empty prefix, whichever way
+    FlashAttention marks it, adds nothing). Padded token rows stay untouched."""
+    c = Case([0, 1, 15, 17, 100, 40], [17, 17, 17, 9, 17, 17], 16, 4, 2, 64, 16, dtype, seed=37, causal=(1, 4),
+             pad_tokens=3)
+    ref = c.dense_reference()
+    out, lse = prefix_attention(c, empty_lse)
+    out[-3:] = float("nan")
+    tree_attention(c.q, c.k_cache, c.v_cache, out, c.qsl, c.seq_lens, c.block_table, c.bits, c.scale,
+                   tree_rows=c.tree_rows, prefix_lse=lse)
+    assert_close(out, ref, dtype, num_valid=c.num_tokens - 3)
+    assert torch.isnan(out[-3:]).all()
+    # Without the prefix's state the rows are wrong: the merge is what makes them right.
+    blind = torch.zeros_like(c.q)
+    tree_attention(c.q, c.k_cache, c.v_cache, blind, c.qsl, c.seq_lens, c.block_table, c.bits, c.scale,
+                   tree_rows=c.tree_rows, prefix_lse=torch.full_like(lse, float("-inf")))
+    assert not torch.allclose(blind[17:34].double(), ref[17:34], atol=1e-2)
+
+
+def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale,
+                                causal, block_table, return_softmax_lse, fa_version, num_splits):
+    """FlashAttention 3's paged varlen call, non-causal, in PyTorch: each request's queries over its first
+    ``seqused_k`` keys; returns (out, lse [Hq, T]) with lse -inf where a request has no key."""
+    assert not causal and return_softmax_lse
+    hq, g = q.shape[1], q.shape[1] // k.shape[2]
+    lse = torch.full((hq, q.shape[0]), float("-inf"))
+    for r in range(seqused_k.shape[0]):
+        q0, q1, n = int(cu_seqlens_q[r]), int(cu_seqlens_q[r + 1]), int(seqused_k[r])
+        out[q0:q1] = 0
+        if n == 0 or q1 == q0:
+            continue
+        t = torch.arange(n)
+        blk = block_table[r, t // k.shape[1]].long()
+        keys = k[blk, t % k.shape[1]].double().repeat_interleave(g, 1)
+        values = v[blk, t % k.shape[1]].double().repeat_interleave(g, 1)
+        s = torch.einsum("nhd,shd->hns", q[q0:q1].double(), keys) * softmax_scale
+        out[q0:q1] = torch.einsum("hns,shd->nhd", torch.softmax(s, -1), values).to(out.dtype)
+        lse[:, q0:q1] = torch.logsumexp(s, -1).float()
+    return out, lse
+
+
+def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
+    """FLASH_ATTN's full verify batch: vLLM's FlashAttention over each request's committed prefix (its ``seqused_k``
+    from seq_lens minus the query length, clamped at 0 for the graph warm-up's seq_lens 1), the tree kernel merging
+    this step's block; the prefix lengths are computed once per forward (metadata object) and again under capture.
+    ``VLLM_DDTREE_TREE_KERNEL_PREFIX=1`` (and FlashAttention 4) keep the tree kernel on every key."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends import flash_attn
+
+    from vllm_ddtree.attention import backend, triton_tree
+    from vllm_ddtree.verify_core import TreeAttentionInputs
+
+    c = Case([17, 30, 0], [8, 8, 8], 7, 4, 2, 64, 16, torch.float32, seed=41, causal=(0,))
+    impl = backend.TreeFlashAttentionImpl.__new__(backend.TreeFlashAttentionImpl)
+    impl.num_heads, impl.head_size, impl.scale = c.hq, c.d, c.scale
+    impl.attn_type, impl.vllm_flash_attn_version = backend.AttentionType.DECODER, 3
+    impl.tree_inputs = TreeAttentionInputs(c.bits, c.tree_rows, frozenset({8}))
+    fa_calls, kernel_calls = [], []
+
+    def fake(**kwargs):
+        fa_calls.append(kwargs["seqused_k"].tolist())
+        return fake_flash_attn_varlen_func(**kwargs)
+
+    def spy(*args, **kwargs):
+        kernel_calls.append(kwargs.get("prefix_lse") is not None)
+        return real_kernel(*args, **kwargs)
+
+    real_kernel = triton_tree.tree_attention
+    monkeypatch.setattr(flash_attn, "flash_attn_varlen_func", fake, raising=False)
+    monkeypatch.setattr(triton_tree, "tree_attention", spy)
+
+    def metadata():
+        return SimpleNamespace(num_actual_tokens=c.num_tokens, seq_lens=c.seq_lens, query_start_loc=c.qsl,
+                               block_table=c.block_table, max_query_len=8, max_seq_len=38, max_num_splits=0)
+
+    def forward(md):
+        out = torch.full_like(c.q, float("nan"))
+        return impl.forward(None, c.q, None, None, c.kv, md, out)
+
+    reference = c.dense_reference()
+    md = metadata()
+    assert_close(forward(md), reference, torch.float32)
+    assert fa_calls == [[17, 30, 0]] and kernel_calls == [True]
+    first = inputs_lens(impl)
+    forward(md)  # another layer of the same forward: the same prefix lengths tensor
+    assert inputs_lens(impl) is first and len(fa_calls) == 2
+    forward(metadata())
+    assert inputs_lens(impl) is not first  # a new forward computes them again
+    warmup = metadata()
+    warmup.seq_lens = torch.ones_like(c.seq_lens)
+    forward(warmup)
+    assert fa_calls[-1] == [0, 0, 0]
+    monkeypatch.setenv(backend.TREE_KERNEL_PREFIX_ENV, "1")
+    assert_close(forward(metadata()), reference, torch.float32)
+    monkeypatch.delenv(backend.TREE_KERNEL_PREFIX_ENV)
+    impl.vllm_flash_attn_version = 4
+    assert_close(forward(metadata()), reference, torch.float32)
+    assert len(fa_calls) == 4 and kernel_calls[-2:] == [False, False]
+
+
+def inputs_lens(impl) -> torch.Tensor:
+    return impl.tree_inputs.prefix_lens_of_forward[2]

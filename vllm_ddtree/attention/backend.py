@@ -11,12 +11,20 @@ Hopper); only the target's layers (``prepare_target_layers``) ever leave vLLM's 
   vLLM's kernel on every row; when a verify step is in flight, the tree kernel then recomputes only the rows of
   requests that verify a tree. The prefill of a ddtree engine is no-spec's.
 
+On FLASH_ATTN (FlashAttention 2 or 3) a full verify batch splits like vLLM's cascade attention: FlashAttention
+attends every query to its request's committed prefix (non-causal, returning the log-sum-exp), and the tree kernel
+reads only the keys of this step's block and merges them into that output in place. The prefix, nearly all of the
+keys, then runs on vLLM's kernel, as the chain's verify does (``VLLM_DDTREE_TREE_KERNEL_PREFIX=1``: the tree kernel
+reads the prefix too, as before; for A/B benchmarks).
+
 vLLM writes each step's K/V into the cache before attention (``forward_includes_kv_cache_update`` is False for
 these backends), so the tree kernel reads every key, tree nodes included, from the paged cache. FLASH_ATTN and
 TRITON_ATTN share the cache layout (``[blocks, Hkv, block_size, 2D]`` logical), which the tree kernel reads.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from vllm.v1.attention.backend import AttentionType
@@ -28,6 +36,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, Trito
 from vllm_ddtree.attention.torch_tree import cpu_attn_kv_views, tree_attention_torch
 
 GPU_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+TREE_KERNEL_PREFIX_ENV = "VLLM_DDTREE_TREE_KERNEL_PREFIX"
 
 
 def install() -> None:
@@ -138,7 +147,60 @@ class TreeRowsMixin:
 
 
 class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
-    pass
+    """Full verify batches: FlashAttention over the prefix, the tree kernel over the step's block (module
+    docstring)."""
+
+    def _tree_attention(self, query, kv_cache, attn_metadata, output, inputs, *, tree_rows_only: bool) -> None:
+        if tree_rows_only or not self._prefix_on_flash_attention():
+            return super()._tree_attention(query, kv_cache, attn_metadata, output, inputs,
+                                           tree_rows_only=tree_rows_only)
+        from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+        from vllm.v1.attention.backends import flash_attn
+
+        from vllm_ddtree.attention.triton_tree import tree_attention
+
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        # FlashAttention 3 reads the cache through TMA, which needs 16-byte strides (vLLM's own forward does this).
+        key_cache = canonicalize_singleton_dim_strides(key_cache)
+        value_cache = canonicalize_singleton_dim_strides(value_cache)
+        n, r = attn_metadata.num_actual_tokens, attn_metadata.seq_lens.shape[0]
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        query_start_loc = attn_metadata.query_start_loc[: r + 1]
+        _, prefix_lse = flash_attn.flash_attn_varlen_func(
+            q=q, k=key_cache, v=value_cache, out=out,
+            cu_seqlens_q=query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+            seqused_k=_prefix_lens(inputs, attn_metadata), max_seqlen_k=attn_metadata.max_seq_len,
+            softmax_scale=self.scale, causal=False, block_table=attn_metadata.block_table,
+            return_softmax_lse=True, fa_version=self.vllm_flash_attn_version,
+            num_splits=attn_metadata.max_num_splits,
+        )
+        tree_attention(
+            q, key_cache, value_cache, out, query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table[:r],
+            inputs.ancestor_bits, self.scale, tree_rows=inputs.tree_rows[:r],
+            max_query_len=attn_metadata.max_query_len, prefix_lse=prefix_lse,
+        )
+
+    def _prefix_on_flash_attention(self) -> bool:
+        """FlashAttention 2 and 3 return the log-sum-exp the merge needs; context parallelism splits the keys."""
+        return (self.vllm_flash_attn_version in (2, 3) and getattr(self, "dcp_world_size", 1) == 1
+                and os.environ.get(TREE_KERNEL_PREFIX_ENV, "0") != "1")
+
+
+def _prefix_lens(inputs, attn_metadata) -> torch.Tensor:
+    """Committed keys per request (``seq_lens - q_len``, at least 0: vLLM's graph warm-up runs seq_lens 1), once per
+    forward: the layers of a KV-cache group share one metadata object, and vLLM builds a new one for every forward,
+    captured graphs included (MRV2 and V1 both prepare a capture's inputs afresh), so the first layer's tensor is
+    the forward's, recorded in the same graph as its readers. Keyed on capture too, so a warm-up's eager tensor never
+    reaches a graph."""
+    key = (attn_metadata, attn_metadata.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing())
+    cached = getattr(inputs, "prefix_lens_of_forward", None)
+    if cached is None or cached[0] is not key[0] or cached[1] != key[1]:
+        r = attn_metadata.seq_lens.shape[0]
+        qsl = attn_metadata.query_start_loc[: r + 1]
+        lens = (attn_metadata.seq_lens - (qsl[1:] - qsl[:-1])).clamp_(min=0)
+        cached = inputs.prefix_lens_of_forward = (key[0], key[1], lens)
+    return cached[2]
 
 
 class TreeFlashAttentionBackend(FlashAttentionBackend):

@@ -127,16 +127,16 @@ def _attend_tile(
 def _tree_attn_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, anc_ptr, tree_rows_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     qk_scale, num_seqs,
     stride_q0, stride_q1, stride_o0, stride_o1,
     stride_k0, stride_k1, stride_k2,
     stride_v0, stride_v1, stride_v2,
-    stride_bt0, stride_a0, stride_a1, stride_a2,
+    stride_bt0, stride_a0, stride_a1, stride_a2, stride_lse0, stride_lse1,
     G: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_TREE_ROWS: tl.constexpr, K_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
-    DOT_F32: tl.constexpr, SKIP_CAUSAL: tl.constexpr,
+    DOT_F32: tl.constexpr, SKIP_CAUSAL: tl.constexpr, PREFIX_DONE: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -175,12 +175,19 @@ def _tree_attn_kernel(
 
     # Keys beyond ctx + q0 + BLOCK_Q are invisible to every row here (ancestors and causal keys precede the query).
     kv_hi = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
-    # Keys below free_hi are visible to every valid row: the prefix (tree), or up to the first row (causal).
-    free_hi = tl.where(is_tree, ctx, ctx + q0 + 1)
+    # Keys below free_hi are visible to every valid row: the prefix (tree), or up to the first row (causal). With
+    # the prefix done, only keys from ctx on remain.
+    if PREFIX_DONE:
+        free_hi = ctx
+    else:
+        free_hi = tl.where(is_tree, ctx, ctx + q0 + 1)
     n_free = free_hi // TILE
     n_all = tl.cdiv(kv_hi, TILE)
 
-    if NUM_SPLITS == 1:
+    if PREFIX_DONE:
+        lo = 0
+        hi = 0
+    elif NUM_SPLITS == 1:
         lo = 0
         hi = n_free
     else:
@@ -188,9 +195,23 @@ def _tree_attn_kernel(
         lo = tl.minimum(split * per_split, n_free)
         hi = tl.minimum(lo + per_split, n_free)
 
-    M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    L = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    if PREFIX_DONE:
+        # out holds each row's softmax over the keys < ctx and lse their natural log-sum-exp: the online-softmax
+        # state (max, sum, acc) = (lse in log2, 1, out). An empty prefix has lse -inf (FlashAttention 3), +inf
+        # (FlashAttention 2) or NaN: the empty state.
+        lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse0 + tok * stride_lse1, mask=row_valid,
+                      other=float("-inf")) * 1.4426950408889634
+        has_prefix = (lse > float("-inf")) & (lse < float("inf"))
+        M = tl.where(has_prefix, lse, float("-inf"))
+        L = tl.where(has_prefix, 1.0, 0.0)
+        acc = tl.load(
+            out_ptr + tok[:, None] * stride_o0 + head[:, None] * stride_o1 + offs_d[None, :],
+            mask=(row_valid & has_prefix)[:, None] & dim_mask[None, :], other=0.0,
+        ).to(tl.float32)
+    else:
+        M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        L = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
     k_base = k_ptr + kv_head.to(tl.int64) * stride_k2
     v_base = v_ptr + kv_head.to(tl.int64) * stride_v2
@@ -220,8 +241,12 @@ def _tree_attn_kernel(
             )
             # (word >> b) & 1 is sign-safe on int32 (bit 31 makes the word negative).
             anc = ((word >> (relc % 32)[None, :]) & 1) != 0
-            tree_keep = (rel < 0)[None, :] | anc
             causal_keep = offs_t[None, :] <= (ctx + qi)[:, None]
+            if PREFIX_DONE:  # ancestors are tree nodes (rel >= 0) already
+                tree_keep = anc
+                causal_keep = causal_keep & (rel >= 0)[None, :]
+            else:
+                tree_keep = (rel < 0)[None, :] | anc
             keep = tl.where(is_tree, tree_keep, causal_keep) & key_mask[None, :] & row_valid[:, None]
             M, L, acc = _attend_tile(
                 Q, M, L, acc, j * TILE, k_base, v_base, bt_row,
@@ -396,6 +421,7 @@ def tree_attention(
     softcap: float = 0.0,
     sliding_window: int | None = None,
     tree_rows_only: bool = False,
+    prefix_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree-masked paged attention; writes ``out [T, Hq, D]`` and returns it (see module docstring).
 
@@ -405,7 +431,10 @@ def tree_attention(
     the module-level one shared by all calls (``allocate_workspace``; the factor is lowered to fit it).
     Tile, warps and stages default to ``launch_config``. No host syncs: every shape and launch parameter comes
     from tensor shapes and Python ints. ``tree_rows_only``: write only the rows of requests with a tree (``tree_rows
-    >= 0``), leaving the others' output as it is (another kernel computed them); single pass.
+    >= 0``), leaving the others' output as it is (another kernel computed them); single pass. ``prefix_lse [Hq, T]``
+    float32: ``out`` already holds every row's attention over its request's prefix (keys ``< seq_lens - q_len``,
+    e.g. FlashAttention's, non-causal) with that softmax's natural log-sum-exp (FlashAttention's ``softmax_lse``
+    layout); the kernel then reads only the keys of this step's block (tree or causal) and merges them in place.
     """
     if softcap:
         raise NotImplementedError("tree attention: logits softcap is not supported")
@@ -437,6 +466,10 @@ def tree_attention(
     if tree_rows_only:
         assert tree_rows is not None, "tree_rows_only needs tree_rows"
         num_kv_splits = 1  # the split merge would write every row
+    if prefix_lse is not None:
+        assert prefix_lse.dtype == torch.float32 and prefix_lse.shape[0] == num_q_heads
+        assert prefix_lse.shape[1] >= num_tokens
+        num_kv_splits = 1  # the few keys left need no split
     if num_kv_splits is None:
         num_kv_splits = auto_kv_splits(num_tokens, num_seqs, num_q_heads, num_kv_heads, max_query_len, q.device, bm)
     if workspace is None:
@@ -456,15 +489,17 @@ def tree_attention(
     _tree_attn_kernel[(grid0, num_kv_heads, num_kv_splits)](
         out, q, key_cache, value_cache,
         block_table, seq_lens, query_start_loc, ancestor_bits, tree_rows if use_tree_rows else seq_lens,
-        part_acc, part_m, part_l,
+        part_acc, part_m, part_l, prefix_lse if prefix_lse is not None else out,
         float(scale) * _LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_table.stride(0), *ancestor_bits.stride(),
+        *(prefix_lse.stride() if prefix_lse is not None else (0, 0)),
         G=g, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE=tile,
         BLOCK_M=bm, BLOCK_Q=block_q, NUM_SPLITS=num_kv_splits, USE_TREE_ROWS=use_tree_rows, K_ROWS=k_rows,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, SKIP_CAUSAL=tree_rows_only,
+        PREFIX_DONE=prefix_lse is not None,
         **kwargs,
     )
     if num_kv_splits > 1:

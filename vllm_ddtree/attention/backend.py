@@ -11,7 +11,7 @@ Hopper); only the target's layers (``prepare_target_layers``) ever leave vLLM's 
   vLLM's kernel on every row; when a verify step is in flight, the tree kernel then recomputes only the rows of
   requests that verify a tree. The prefill of a ddtree engine is no-spec's.
 
-On FLASH_ATTN (FlashAttention 2 or 3) a full verify batch of ``FLASH_PREFIX_MIN_TOKENS`` tokens or more splits like
+On FLASH_ATTN with FlashAttention 3 a full verify batch of ``FLASH_PREFIX_MIN_TOKENS`` tokens or more splits like
 vLLM's cascade attention: FlashAttention attends every query to its request's committed prefix (non-causal,
 returning the log-sum-exp), and the tree kernel reads only the keys of this step's block and merges them into that
 output in place. The prefix, nearly all of the keys, then runs on vLLM's kernel, as the chain's verify does
@@ -188,8 +188,9 @@ class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
         )
 
     def _prefix_on_flash_attention(self) -> bool:
-        """FlashAttention 2 and 3 return the log-sum-exp the merge needs; context parallelism splits the keys."""
-        return (self.vllm_flash_attn_version in (2, 3) and getattr(self, "dcp_world_size", 1) == 1
+        """FlashAttention 3 (the version measured: FA2 returns the same log-sum-exp, but no GPU here has run the
+        split on it; FA4's interface differs); context parallelism splits the keys."""
+        return (self.vllm_flash_attn_version == 3 and getattr(self, "dcp_world_size", 1) == 1
                 and os.environ.get(TREE_KERNEL_PREFIX_ENV, "0") != "1")
 
 

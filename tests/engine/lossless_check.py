@@ -40,8 +40,8 @@ TEACHER_SITE = Path(__file__).with_name("teacher_site")
 ORACLE_ENV = "VLLM_DDTREE_TEST_ORACLE"
 TOLERANCE_FACTOR = 4.0
 Tokens = tuple[int, ...]
-# A directory that keeps every finished engine run of the recipe (GPU sessions: one device call fits two of its
-# 2.5-minute runs, so the phase is repeated and the next call reuses them). Unset: every run runs.
+# A directory that keeps every finished engine run of the recipe (GPU sessions: a 10-minute device call fits two of
+# its 3-4 minute runs on the H200, so the phase is repeated and the next call reuses them). Unset: every run runs.
 RUN_CACHE_ENV = "VLLM_DDTREE_TEST_RUN_CACHE"
 # What else decides a run's output: the engine process's environment (gpu_session.sh) and the code.
 RUN_ENV_KEYS = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_DDTREE_TEST_ATTENTION_BACKEND", "VLLM_DDTREE_TEST_CUDA_GRAPHS")

@@ -480,8 +480,7 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     """FLASH_ATTN's full verify batch: vLLM's FlashAttention over each request's committed prefix (its ``seqused_k``
     from seq_lens minus the query length, clamped at 0 for the graph warm-up's seq_lens 1), the tree kernel merging
     this step's block; the prefix lengths are computed once per forward (metadata object) and again under capture.
-    ``VLLM_DDTREE_TREE_KERNEL_PREFIX=1``, FlashAttention 2 and 4 and batches under ``FLASH_PREFIX_MIN_TOKENS`` keep
-    the tree kernel on every key."""
+    ``VLLM_DDTREE_TREE_KERNEL_PREFIX=1`` and FlashAttention 2 and 4 keep the tree kernel on every key."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends import flash_attn
@@ -507,8 +506,6 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     real_kernel = triton_tree.tree_attention
     monkeypatch.setattr(flash_attn, "flash_attn_varlen_func", fake, raising=False)
     monkeypatch.setattr(triton_tree, "tree_attention", spy)
-    assert c.num_tokens < backend.FLASH_PREFIX_MIN_TOKENS
-    monkeypatch.setattr(backend, "FLASH_PREFIX_MIN_TOKENS", c.num_tokens)
 
     def metadata():
         return SimpleNamespace(num_actual_tokens=c.num_tokens, seq_lens=c.seq_lens, query_start_loc=c.qsl,
@@ -537,10 +534,7 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     for version in (2, 4):
         impl.vllm_flash_attn_version = version
         assert_close(forward(metadata()), reference, torch.float32)
-    impl.vllm_flash_attn_version = 3
-    monkeypatch.setattr(backend, "FLASH_PREFIX_MIN_TOKENS", c.num_tokens + 1)
-    assert_close(forward(metadata()), reference, torch.float32)
-    assert len(fa_calls) == 4 and kernel_calls[-4:] == [False] * 4
+    assert len(fa_calls) == 4 and kernel_calls[-3:] == [False] * 3
 
 
 def inputs_lens(impl) -> torch.Tensor:

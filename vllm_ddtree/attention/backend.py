@@ -11,11 +11,11 @@ Hopper); only the target's layers (``prepare_target_layers``) ever leave vLLM's 
   vLLM's kernel on every row; when a verify step is in flight, the tree kernel then recomputes only the rows of
   requests that verify a tree. The prefill of a ddtree engine is no-spec's.
 
-On FLASH_ATTN with FlashAttention 3 a full verify batch of ``FLASH_PREFIX_MIN_TOKENS`` tokens or more splits like
-vLLM's cascade attention: FlashAttention attends every query to its request's committed prefix (non-causal,
-returning the log-sum-exp), and the tree kernel reads only the keys of this step's block and merges them into that
-output in place. The prefix, nearly all of the keys, then runs on vLLM's kernel, as the chain's verify does
-(``VLLM_DDTREE_TREE_KERNEL_PREFIX=1``: the tree kernel reads the prefix too, as before; for A/B benchmarks).
+On FLASH_ATTN with FlashAttention 3 a full verify batch splits like vLLM's cascade attention: FlashAttention
+attends every query to its request's committed prefix (non-causal, returning the log-sum-exp), and the tree kernel
+reads only the keys of this step's block and merges them into that output in place. The prefix, nearly all of the
+keys, then runs on vLLM's kernel, as the chain's verify does (``VLLM_DDTREE_TREE_KERNEL_PREFIX=1``: the tree kernel
+reads the prefix too, as before; for A/B benchmarks).
 
 vLLM writes each step's K/V into the cache before attention (``forward_includes_kv_cache_update`` is False for
 these backends), so the tree kernel reads every key, tree nodes included, from the paged cache. FLASH_ATTN and
@@ -37,10 +37,6 @@ from vllm_ddtree.attention.torch_tree import cpu_attn_kv_views, tree_attention_t
 
 GPU_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
 TREE_KERNEL_PREFIX_ENV = "VLLM_DDTREE_TREE_KERNEL_PREFIX"
-# Below this many tokens the tree kernel alone is faster: H200, bf16, Qwen3-8B's heads, context 2048, one layer
-# (benchmarks/README.md, 2026-12-01 fifth session): 17 tokens (batch 1, B=16) 28.8 us against the split's 35.7;
-# 65 tokens (batch 1, B=64) 49.9 against 40.1, 136 (batch 8, B=16) 81.2 against 53.2, larger batches further ahead.
-FLASH_PREFIX_MIN_TOKENS = 64
 
 
 def install() -> None:
@@ -155,9 +151,7 @@ class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
     docstring)."""
 
     def _tree_attention(self, query, kv_cache, attn_metadata, output, inputs, *, tree_rows_only: bool) -> None:
-        # (Host ints only: a captured graph keeps the choice made at its capture.)
-        if (tree_rows_only or attn_metadata.num_actual_tokens < FLASH_PREFIX_MIN_TOKENS
-                or not self._prefix_on_flash_attention()):
+        if tree_rows_only or not self._prefix_on_flash_attention():
             return super()._tree_attention(query, kv_cache, attn_metadata, output, inputs,
                                            tree_rows_only=tree_rows_only)
         from vllm.utils.torch_utils import canonicalize_singleton_dim_strides

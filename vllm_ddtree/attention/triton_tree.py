@@ -337,6 +337,12 @@ def launch_config(block_m: int, head_size: int, elem_size: int) -> tuple[int, in
     return 64, 4, 3
 
 
+# The tree-block pass after a prefix computed elsewhere (``prefix_lse``) reads a few keys per query: smaller
+# programs and key tiles. H200, bf16, Qwen3-8B's heads, 36 calls per graph (benchmarks/attention_sweep.py --block,
+# 2026-12-01 fifth session): at batch 1 / 8 and B=16 4.6 / 5.0 us against 15.4 / 15.7 with launch_config's 128-row
+# programs; within 10-20% of the best of 11 configurations at every batch x budget up to 32 x 65.
+BLOCK_PASS_LAUNCH = (64, 32, 4, 1)  # block_m (at most), tile, warps, stages
+
 # Token x split rows of the shared split-KV workspace; tree_attention lowers the split factor to fit. Split-KV pays
 # off only for small grids (few tokens), so this bound rarely binds.
 WORKSPACE_ROWS = 4096
@@ -429,12 +435,13 @@ def tree_attention(
     any value is correct because the grid covers every token. ``num_kv_splits``: None = auto (``auto_kv_splits``;
     always 1 on CPU), 1 = single pass, > 1 (a power of 2) uses ``workspace`` from ``split_workspace``, or else
     the module-level one shared by all calls (``allocate_workspace``; the factor is lowered to fit it).
-    Tile, warps and stages default to ``launch_config``. No host syncs: every shape and launch parameter comes
-    from tensor shapes and Python ints. ``tree_rows_only``: write only the rows of requests with a tree (``tree_rows
-    >= 0``), leaving the others' output as it is (another kernel computed them); single pass. ``prefix_lse [Hq, T]``
-    float32: ``out`` already holds every row's attention over its request's prefix (keys ``< seq_lens - q_len``,
-    e.g. FlashAttention's, non-causal) with that softmax's natural log-sum-exp (FlashAttention's ``softmax_lse``
-    layout); the kernel then reads only the keys of this step's block (tree or causal) and merges them in place.
+    Tile, warps and stages default to ``launch_config`` (``BLOCK_PASS_LAUNCH`` with ``prefix_lse``). No host
+    syncs: every shape and launch parameter comes from tensor shapes and Python ints. ``tree_rows_only``: write
+    only the rows of requests with a tree (``tree_rows >= 0``), leaving the others' output as it is (another kernel
+    computed them); single pass. ``prefix_lse [Hq, T]`` float32: ``out`` already holds every row's attention over
+    its request's prefix (keys ``< seq_lens - q_len``, e.g. FlashAttention's, non-causal) with that softmax's
+    natural log-sum-exp (FlashAttention's ``softmax_lse`` layout); the kernel then reads only the keys of this
+    step's block (tree or causal) and merges them in place.
     """
     if softcap:
         raise NotImplementedError("tree attention: logits softcap is not supported")
@@ -457,9 +464,14 @@ def tree_attention(
     if max_query_len is None:
         max_query_len = ancestor_bits.shape[1]
     bm = block_m or pick_block_m(max_query_len, g, head_size)
+    if prefix_lse is not None and not block_m:
+        bm = max(min(bm, BLOCK_PASS_LAUNCH[0]), g)
     assert bm >= g and bm >= 16 and (bm & (bm - 1)) == 0
     block_q = bm // g
-    d_tile, d_warps, d_stages = launch_config(bm, head_size, q.element_size())
+    if prefix_lse is not None:
+        d_tile, d_warps, d_stages = BLOCK_PASS_LAUNCH[1:]
+    else:
+        d_tile, d_warps, d_stages = launch_config(bm, head_size, q.element_size())
     tile = tile_size or d_tile
     head_pad = _head_pad(head_size)
     grid0 = num_tokens // block_q + num_seqs

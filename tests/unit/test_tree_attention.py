@@ -479,8 +479,9 @@ def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seq
 def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     """FLASH_ATTN's full verify batch: vLLM's FlashAttention over each request's committed prefix (its ``seqused_k``
     from seq_lens minus the query length, clamped at 0 for the graph warm-up's seq_lens 1), the tree kernel merging
-    this step's block; the prefix lengths are computed once per forward (metadata object) and again under capture.
-    ``VLLM_DDTREE_TREE_KERNEL_PREFIX=1`` and FlashAttention 2 and 4 keep the tree kernel on every key."""
+    this step's block; the prefix lengths are computed once per forward (metadata object; the capture half of that
+    key needs CUDA). ``VLLM_DDTREE_TREE_KERNEL_PREFIX=1`` and FlashAttention 2 and 4 keep the tree kernel on every
+    key."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends import flash_attn

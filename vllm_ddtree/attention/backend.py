@@ -122,7 +122,9 @@ class TreeRowsMixin:
             self._rows_only_compiled = True
         return output
 
-    def _tree_attention(self, query, kv_cache, attn_metadata, output, inputs, *, tree_rows_only: bool) -> None:
+    def _tree_attention(self, query, kv_cache, attn_metadata, output, inputs, *, tree_rows_only: bool,
+                        prefix_lse: torch.Tensor | None = None) -> None:
+        """``prefix_lse``: ``output`` already holds the prefix's attention (TreeFlashAttentionImpl); merge the block."""
         from vllm_ddtree.attention.triton_tree import tree_attention
 
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
@@ -142,7 +144,7 @@ class TreeRowsMixin:
             # Tree rows only: their queries are at most 1 + B wide whatever else the batch holds (a prefill chunk),
             # so the tile shape, and the one compiled variant, follow the tree.
             max_query_len=inputs.ancestor_bits.shape[1] if tree_rows_only else attn_metadata.max_query_len,
-            tree_rows_only=tree_rows_only,
+            tree_rows_only=tree_rows_only, prefix_lse=prefix_lse,
         )
 
 
@@ -157,29 +159,21 @@ class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
         from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
         from vllm.v1.attention.backends import flash_attn
 
-        from vllm_ddtree.attention.triton_tree import tree_attention
-
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        # FlashAttention 3 reads the cache through TMA, which needs 16-byte strides (vLLM's own forward does this).
-        key_cache = canonicalize_singleton_dim_strides(key_cache)
-        value_cache = canonicalize_singleton_dim_strides(value_cache)
         n, r = attn_metadata.num_actual_tokens, attn_metadata.seq_lens.shape[0]
-        q = query[:n].view(n, self.num_heads, self.head_size)
-        out = output[:n].view(n, self.num_heads, self.head_size)
-        query_start_loc = attn_metadata.query_start_loc[: r + 1]
         _, prefix_lse = flash_attn.flash_attn_varlen_func(
-            q=q, k=key_cache, v=value_cache, out=out,
-            cu_seqlens_q=query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+            q=query[:n].view(n, self.num_heads, self.head_size),
+            # FlashAttention 3 reads the cache through TMA, which needs 16-byte strides (as vLLM's own forward does).
+            k=canonicalize_singleton_dim_strides(key_cache), v=canonicalize_singleton_dim_strides(value_cache),
+            out=output[:n].view(n, self.num_heads, self.head_size),
+            cu_seqlens_q=attn_metadata.query_start_loc[: r + 1], max_seqlen_q=attn_metadata.max_query_len,
             seqused_k=_prefix_lens(inputs, attn_metadata), max_seqlen_k=attn_metadata.max_seq_len,
             softmax_scale=self.scale, causal=False, block_table=attn_metadata.block_table,
             return_softmax_lse=True, fa_version=self.vllm_flash_attn_version,
             num_splits=attn_metadata.max_num_splits,
         )
-        tree_attention(
-            q, key_cache, value_cache, out, query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table[:r],
-            inputs.ancestor_bits, self.scale, tree_rows=inputs.tree_rows[:r],
-            max_query_len=attn_metadata.max_query_len, prefix_lse=prefix_lse,
-        )
+        super()._tree_attention(query, kv_cache, attn_metadata, output, inputs, tree_rows_only=False,
+                                prefix_lse=prefix_lse)
 
     def _prefix_on_flash_attention(self) -> bool:
         """FlashAttention 3 (the version measured: FA2 returns the same log-sum-exp, but no GPU here has run the
@@ -194,13 +188,13 @@ def _prefix_lens(inputs, attn_metadata) -> torch.Tensor:
     captured graphs included (MRV2 and V1 both prepare a capture's inputs afresh), so the first layer's tensor is
     the forward's, recorded in the same graph as its readers. Keyed on capture too, so a warm-up's eager tensor never
     reaches a graph."""
-    key = (attn_metadata, attn_metadata.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing())
-    cached = getattr(inputs, "prefix_lens_of_forward", None)
-    if cached is None or cached[0] is not key[0] or cached[1] != key[1]:
+    capturing = attn_metadata.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
+    cached = inputs.prefix_lens_of_forward
+    if cached is None or cached[0] is not attn_metadata or cached[1] != capturing:
         r = attn_metadata.seq_lens.shape[0]
         qsl = attn_metadata.query_start_loc[: r + 1]
         lens = (attn_metadata.seq_lens - (qsl[1:] - qsl[:-1])).clamp_(min=0)
-        cached = inputs.prefix_lens_of_forward = (key[0], key[1], lens)
+        cached = inputs.prefix_lens_of_forward = (attn_metadata, capturing, lens)
     return cached[2]
 
 

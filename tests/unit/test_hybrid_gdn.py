@@ -95,7 +95,7 @@ def make_step(seed: int, chain: bool = False, sizes=(7, 1, 13, 4)):
 
 def run_tree_conv(s, conv_state):
     window = tree_conv_window(s["flat_parents"], s["qsl"], W)
-    slots = s["spec_idx"][:, 0].contiguous()
+    slots = s["spec_idx"][:, 0]  # a strided column, as vLLM passes it (_forward_core)
     return tree_causal_conv1d_update(s["x"], conv_state, s["weight"], s["bias"], "silu", slots, s["num_acc"], s["qsl"],
                                      s["max_len"], window)
 

@@ -50,7 +50,7 @@ def tree_conv_window(parents: torch.Tensor, query_start_loc: torch.Tensor, width
 @triton.jit
 def _tree_conv_update_kernel(
     x_ptr, w_ptr, bias_ptr, conv_state_ptr, conv_state_indices_ptr, num_accepted_ptr, qsl_ptr, window_ptr, o_ptr,
-    dim, stride_x_tok, stride_x_dim, stride_w_dim, stride_w_width,
+    dim, stride_csi, stride_x_tok, stride_x_dim, stride_w_dim, stride_w_width,
     stride_cs_seq, stride_cs_dim, stride_cs_tok, stride_win, stride_o_tok, stride_o_dim,
     null_block_id,
     HAS_BIAS: tl.constexpr, KERNEL_WIDTH: tl.constexpr, SILU: tl.constexpr, HAS_NULL_BLOCK: tl.constexpr,
@@ -59,7 +59,7 @@ def _tree_conv_update_kernel(
     n = tl.program_id(0)
     feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     fmask = feats < dim
-    slot = tl.load(conv_state_indices_ptr + n).to(tl.int64)
+    slot = tl.load(conv_state_indices_ptr + n * stride_csi).to(tl.int64)
     if HAS_NULL_BLOCK:
         if slot == null_block_id:
             return
@@ -122,10 +122,10 @@ def tree_causal_conv1d_update(
     """Tree version of vLLM's varlen spec-decode ``causal_conv1d_update``; same argument meanings, plus ``window``.
 
     x ``[T, dim]`` (tokens of each sequence = its tree nodes in pop order); conv_state ``(slots, dim, state_len)``
-    (vLLM's kernel view: the SD cache transposed); weight ``(dim, width)``; conv_state_indices ``[N]`` (vLLM passes
-    ``spec_state_indices_tensor[:, 0]``); num_accepted_tokens ``[N]``; query_start_loc ``[N+1]``; window from
-    ``tree_conv_window``. Unlike vLLM the output is a new tensor: ancestors' inputs are re-read after their own
-    outputs are written, so x cannot be overwritten in place. Returns ``[T, dim]`` in x's dtype.
+    (vLLM's kernel view: the SD cache transposed); weight ``(dim, width)``; conv_state_indices ``[N]``, any stride
+    (vLLM passes ``spec_state_indices_tensor[:, 0]``, a column); num_accepted_tokens ``[N]``; query_start_loc
+    ``[N+1]``; window from ``tree_conv_window``. Unlike vLLM the output is a new tensor: ancestors' inputs are re-read
+    after their own outputs are written, so x cannot be overwritten in place. Returns ``[T, dim]`` in x's dtype.
     """
     if isinstance(activation, bool):
         activation = "silu" if activation else None
@@ -139,7 +139,7 @@ def tree_causal_conv1d_update(
     block_n = 256
     _tree_conv_update_kernel[(batch, triton.cdiv(dim, block_n))](
         xs, weight, bias, conv_state, conv_state_indices, num_accepted_tokens, query_start_loc, window, out,
-        dim, xs.stride(0), xs.stride(1), weight.stride(0), weight.stride(1),
+        dim, conv_state_indices.stride(0), xs.stride(0), xs.stride(1), weight.stride(0), weight.stride(1),
         *conv_state.stride(), window.stride(0), out.stride(0), out.stride(1),
         null_block_id if null_block_id is not None else 0,
         HAS_BIAS=bias is not None, KERNEL_WIDTH=width, SILU=activation is not None,

@@ -344,8 +344,9 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     """The GPU backends (vLLM's FlashAttention or Triton, subclassed): a full verify batch (query length one of the
     verify widths, the shape vLLM captures in full graphs) runs the tree kernel on every row, reading which requests
     verify a tree from the static ``tree_rows`` (-1 = causal); any other forward is vLLM's kernel, after which, with
-    a verify step in flight, only the tree requests' rows are recomputed. Other layers (the drafter's) and the
-    profiling run (no metadata) are vLLM's attention only."""
+    a verify step in flight, only the tree requests' rows are recomputed. A prefill batch whose longest query has a
+    verify width is vLLM's (no-spec's prefill). Other layers (the drafter's) and the profiling run (no metadata) are
+    vLLM's attention only."""
     from types import SimpleNamespace
 
     from vllm_ddtree.attention import backend
@@ -381,6 +382,7 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     assert forward(metadata).eq(7.0).all() and len(calls) == 1  # not a target layer: vLLM's
     impl.tree_inputs = inputs
     assert forward(None).eq(7.0).all() and len(calls) == 2  # profiling run: vLLM's
+    inputs.step = object()  # a verify step in flight
     assert_close(forward(metadata), reference, torch.float32)  # a full verify batch: the tree kernel, every row
     assert len(calls) == 2
     from vllm_ddtree.attention import triton_tree
@@ -395,19 +397,23 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     monkeypatch.setattr(triton_tree, "tree_attention", spy)
     other_width = SimpleNamespace(**{**vars(metadata), "max_query_len": 9})
     tree_rows[1] = -1  # as outside every verify forward
-    # No verify step in flight: vLLM's output; the first such call runs the tree-rows variant once (every row -1:
-    # it writes nothing) so that it is compiled before serving, later ones do not.
-    assert forward(other_width).eq(7.0).all() and len(calls) == 3 and len(kernel_calls) == 1
-    assert forward(other_width).eq(7.0).all() and len(calls) == 4 and len(kernel_calls) == 1
+    inputs.step = None
+    # No verify step in flight, a verify width (a prefill batch, or vLLM's warm-up before a full-graph capture):
+    # vLLM's output; the first such call runs the full variant once into a scratch output and the tree-rows variant
+    # once (every row -1: it writes nothing), so that both are compiled before capture and serving.
+    assert forward(metadata).eq(7.0).all() and len(calls) == 3
+    assert [k["tree_rows_only"] for k in kernel_calls] == [False, True]
+    assert forward(metadata).eq(7.0).all() and len(calls) == 4 and len(kernel_calls) == 2
+    assert forward(other_width).eq(7.0).all() and len(calls) == 5 and len(kernel_calls) == 2
     tree_rows[1] = 1
     inputs.step = object()
     mixed = forward(other_width)
-    assert len(calls) == 5 and len(kernel_calls) == 2
+    assert len(calls) == 6 and len(kernel_calls) == 3
     assert mixed[:8].eq(7.0).all()  # the causal request keeps vLLM's output
     assert_close(mixed[8:], reference[8:], torch.float32)  # the tree request's rows are the tree kernel's
     # Tree rows only: the tile shape follows the tree's width (1 + B), not the batch's longest query.
-    assert [k["tree_rows_only"] for k in kernel_calls] == [True, True]
-    assert [k["max_query_len"] for k in kernel_calls] == [c.bits.shape[1]] * 2
+    assert [k["tree_rows_only"] for k in kernel_calls] == [False, True, True]
+    assert [k["max_query_len"] for k in kernel_calls[1:]] == [c.bits.shape[1]] * 2
 
 
 def prefix_attention(c: Case, empty_lse: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -494,6 +500,7 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     impl.num_heads, impl.head_size, impl.scale = c.hq, c.d, c.scale
     impl.attn_type, impl.vllm_flash_attn_version = backend.AttentionType.DECODER, 3
     impl.tree_inputs = TreeAttentionInputs(c.bits, c.tree_rows, frozenset({8}))
+    impl.tree_inputs.step = object()  # a verify step in flight
     fa_calls, kernel_calls = [], []
 
     def fake(**kwargs):

@@ -6,7 +6,8 @@ Hopper); only the target's layers (``prepare_target_layers``) ever leave vLLM's 
 
 - a full verify batch (every request's query is ``1 + B`` rows, the shape vLLM captures in full CUDA graphs) runs
   our tree kernel on every row: tree requests with the ancestor mask, the rest causally (``tree_rows = -1``), all
-  read from static buffers, so the graph replays with each step's trees;
+  read from static buffers, so the graph replays with each step's trees (eagerly only with a verify step in flight:
+  a prefill batch of the same query length is vLLM's);
 - any other forward (prefill, plain decode, mixed batches, which vLLM runs eagerly or between piecewise graphs) runs
   vLLM's kernel on every row; when a verify step is in flight, the tree kernel then recomputes only the rows of
   requests that verify a tree. The prefill of a ddtree engine is no-spec's.
@@ -100,6 +101,7 @@ class TreeRowsMixin:
 
     tree_inputs = None  # verify_core.TreeAttentionInputs, on the target's layers only
     _rows_only_compiled = False  # per layer: the tree-rows-only kernel variant has run once
+    _full_compiled = False  # per layer: the full-verify-batch variant has run once outside a capture
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         inputs = self.tree_inputs
@@ -107,14 +109,23 @@ class TreeRowsMixin:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
             raise NotImplementedError("ddtree tree attention: fused output quantization is not supported")
-        if attn_metadata.max_query_len in inputs.verify_widths:
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        full_width = attn_metadata.max_query_len in inputs.verify_widths
+        # A verify step in flight, or a full graph being captured (its replays are verify steps): the tree kernel on
+        # every row. A prefill batch whose longest query merely has a verify width is vLLM's, as without ddtree.
+        if full_width and (inputs.step is not None or capturing):
             self._tree_attention(query, kv_cache, attn_metadata, output, inputs, tree_rows_only=False)
             return output
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()  # (no step in flight there anyway)
-        if capturing:
+        if capturing or not kv_cache.numel():
             return output
-        if inputs.step is not None or (not self._rows_only_compiled and kv_cache.numel()):
+        if full_width and not self._full_compiled:
+            # vLLM's warm-up passes before each full-graph capture: compile the variant the capture records, into a
+            # scratch output (the batch's own is vLLM's), so no Triton JIT runs inside the capture.
+            self._tree_attention(query, kv_cache, attn_metadata, torch.empty_like(output), inputs,
+                                 tree_rows_only=False)
+            self._full_compiled = True
+        if inputs.step is not None or not self._rows_only_compiled:
             # Without a step in flight every tree row is -1 and the kernel writes nothing: the first such call (vLLM's
             # warm-up passes) only compiles the tree-rows variant, which mid-serving JIT'd otherwise (H200,
             # 2026-12-01: vLLM's JIT monitor flagged _tree_attn_kernel at the first mixed batch).

@@ -180,15 +180,19 @@ def test_per_depth_topk(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_logsumexp_kernel_equals_torch(dtype: torch.dtype) -> None:
-    """The Triton kernel (interpreted here) against torch.logsumexp in float32: rows longer and shorter than a block,
-    -inf entries (masked vocabulary), a row that starts with a run of -inf."""
+    """The Triton kernels (interpreted here) against torch.logsumexp in float32: rows longer and shorter than a block,
+    cut into pieces or not, -inf entries (masked vocabulary), a row that starts with a run of -inf (a whole piece of
+    it), a row of nothing but -inf."""
+    from vllm_ddtree.tree import logsumexp_triton
     from vllm_ddtree.tree.logsumexp import row_logsumexp
 
     gen = torch.Generator().manual_seed(9)
+    assert logsumexp_triton.pieces_per_row(6, 2500, 1024) == 3 and logsumexp_triton.pieces_per_row(600, 2500, 1024) == 1
     for vocab in (7, 1024, 2500):
         logits = (torch.randn(3, 2, vocab, generator=gen) * 4).to(dtype)
         logits[0, 0, : vocab // 2] = float("-inf")
         logits[1, 1, ::3] = float("-inf")
+        logits[2, 0] = float("-inf")
         want = torch.logsumexp(logits.float(), dim=-1)
         got = row_logsumexp(logits, use_triton=True)
         assert got.dtype == torch.float32 and got.shape == want.shape

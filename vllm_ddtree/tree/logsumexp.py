@@ -4,8 +4,9 @@ The build needs log-probs only for the top k tokens of each depth, so it ranks t
 log-softmax is the row shifted by its log-sum-exp: same order, same ties) and normalises just those k. The
 shift must be float32: ``torch.logsumexp`` of bf16 logits rounds it to bf16 (about 0.02 at 10), and
 ``logits.float()`` first writes a float32 copy of the whole [R, L, V] block (0.6 GB per step at 64 requests x 15
-depths x 152k tokens). On CUDA one Triton program per row reads its logits once, keeping a running max and sum
-in float32; elsewhere ``torch.logsumexp`` over float32 is the reference.
+depths x 152k tokens). On CUDA Triton programs read the logits once, keeping a running max and sum
+in float32 (each row in pieces, then a merge: logsumexp_triton.py); elsewhere ``torch.logsumexp`` over float32
+is the reference.
 """
 
 from __future__ import annotations

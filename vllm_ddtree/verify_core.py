@@ -74,15 +74,15 @@ class TreeAttentionInputs:
     else -1 (causal), and -1 everywhere outside a verify forward. ``verify_widths`` (``verify_widths``) are the query
     lengths of full verify batches: such batches run the tree kernel on every row, also inside a captured graph.
     ``step`` is the step in flight (host-side; eager or piecewise attention uses it to redo tree rows after vLLM's
-    own kernel). ``prefix_lens_of_forward`` is FLASH_ATTN's (metadata, capturing, committed keys per request) of the
-    forward in flight (attention/backend.py ``_prefix_lens``)."""
+    own kernel). ``prefix_of_forward`` is FLASH_ATTN's (metadata, capturing, committed keys per request, FlashAttention
+    3's scheduler metadata) of the forward in flight (attention/backend.py ``_prefix_split``)."""
 
     def __init__(self, ancestor_bits: torch.Tensor, tree_rows: torch.Tensor, verify_widths: frozenset[int]):
         self.ancestor_bits = ancestor_bits
         self.tree_rows = tree_rows
         self.verify_widths = verify_widths
         self.step: VerifyStep | None = None
-        self.prefix_lens_of_forward: tuple | None = None
+        self.prefix_of_forward: tuple | None = None
 
 
 def verify_widths(spec) -> frozenset[int]:

@@ -461,7 +461,7 @@ def test_merges_a_prefix_attended_elsewhere(dtype, empty_lse):
 
 
 def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale,
-                                causal, block_table, return_softmax_lse, fa_version, num_splits):
+                                causal, block_table, return_softmax_lse, scheduler_metadata, fa_version, num_splits):
     """FlashAttention 3's paged varlen call, non-causal, in PyTorch: each request's queries over its first
     ``seqused_k`` keys; returns (out, lse [Hq, T]) with lse -inf where a request has no key."""
     assert not causal and return_softmax_lse
@@ -485,9 +485,10 @@ def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seq
 def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     """FLASH_ATTN's full verify batch: vLLM's FlashAttention over each request's committed prefix (its ``seqused_k``
     from seq_lens minus the query length, clamped at 0 for the graph warm-up's seq_lens 1), the tree kernel merging
-    this step's block; the prefix lengths are computed once per forward (metadata object; the capture half of that
-    key needs CUDA). ``VLLM_DDTREE_TREE_KERNEL_PREFIX=1`` and FlashAttention 2 and 4 keep the tree kernel on every
-    key."""
+    this step's block; the prefix lengths and FlashAttention 3's scheduler metadata for them (non-causal, this
+    call's shapes) are computed once per forward (metadata object; the capture half of that key needs CUDA) and the
+    metadata reaches every layer's call (none under VLLM_BATCH_INVARIANT, as in vLLM's builder).
+    ``VLLM_DDTREE_TREE_KERNEL_PREFIX=1`` and FlashAttention 2 and 4 keep the tree kernel on every key."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends import flash_attn
@@ -497,15 +498,20 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
 
     c = Case([17, 30, 0], [8, 8, 8], 7, 4, 2, 64, 16, torch.float32, seed=41, causal=(0,))
     impl = backend.TreeFlashAttentionImpl.__new__(backend.TreeFlashAttentionImpl)
-    impl.num_heads, impl.head_size, impl.scale = c.hq, c.d, c.scale
+    impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = c.hq, c.hkv, c.d, c.scale
     impl.attn_type, impl.vllm_flash_attn_version = backend.AttentionType.DECODER, 3
     impl.tree_inputs = TreeAttentionInputs(c.bits, c.tree_rows, frozenset({8}))
     impl.tree_inputs.step = object()  # a verify step in flight
-    fa_calls, kernel_calls = [], []
+    fa_calls, kernel_calls, schedules = [], [], []
 
     def fake(**kwargs):
         fa_calls.append(kwargs["seqused_k"].tolist())
+        assert kwargs["scheduler_metadata"] is (schedules[-1][1] if schedules else None)
         return fake_flash_attn_varlen_func(**kwargs)
+
+    def fake_schedule(**kwargs):
+        schedules.append((kwargs, object()))
+        return schedules[-1][1]
 
     def spy(*args, **kwargs):
         kernel_calls.append(kwargs.get("prefix_lse") is not None)
@@ -513,6 +519,7 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
 
     real_kernel = triton_tree.tree_attention
     monkeypatch.setattr(flash_attn, "flash_attn_varlen_func", fake, raising=False)
+    monkeypatch.setattr(flash_attn, "get_scheduler_metadata", fake_schedule, raising=False)
     monkeypatch.setattr(triton_tree, "tree_attention", spy)
 
     def metadata():
@@ -527,11 +534,21 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     md = metadata()
     assert_close(forward(md), reference, torch.float32)
     assert fa_calls == [[17, 30, 0]] and kernel_calls == [True]
+    (schedule_args, _), = schedules
+    assert schedule_args["cache_seqlens"].tolist() == [17, 30, 0] and schedule_args["causal"] is False
+    assert (schedule_args["batch_size"], schedule_args["max_seqlen_q"], schedule_args["max_seqlen_k"]) == (3, 8, 38)
+    assert (schedule_args["num_heads_q"], schedule_args["num_heads_kv"], schedule_args["headdim"]) == (c.hq, c.hkv, c.d)
+    assert schedule_args["page_size"] == c.bs and schedule_args["cu_seqlens_q"] is not None
     first = inputs_lens(impl)
-    forward(md)  # another layer of the same forward: the same prefix lengths tensor
-    assert inputs_lens(impl) is first and len(fa_calls) == 2
+    forward(md)  # another layer of the same forward: the same prefix lengths and schedule
+    assert inputs_lens(impl) is first and len(fa_calls) == 2 and len(schedules) == 1
     forward(metadata())
-    assert inputs_lens(impl) is not first  # a new forward computes them again
+    assert inputs_lens(impl) is not first and len(schedules) == 2  # a new forward computes them again
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    schedules.clear()
+    forward(metadata())
+    assert schedules == []
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     warmup = metadata()
     warmup.seq_lens = torch.ones_like(c.seq_lens)
     forward(warmup)
@@ -542,8 +559,8 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     for version in (2, 4):
         impl.vllm_flash_attn_version = version
         assert_close(forward(metadata()), reference, torch.float32)
-    assert len(fa_calls) == 4 and kernel_calls[-3:] == [False] * 3
+    assert len(fa_calls) == 5 and kernel_calls[-3:] == [False] * 3
 
 
 def inputs_lens(impl) -> torch.Tensor:
-    return impl.tree_inputs.prefix_lens_of_forward[2]
+    return impl.tree_inputs.prefix_of_forward[2]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 
 import torch
+import vllm.envs as vllm_envs
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
@@ -172,15 +173,16 @@ class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
 
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         n, r = attn_metadata.num_actual_tokens, attn_metadata.seq_lens.shape[0]
+        prefix_lens, schedule = _prefix_split(self, inputs, attn_metadata, key_cache.shape[1], query.dtype)
         _, prefix_lse = flash_attn.flash_attn_varlen_func(
             q=query[:n].view(n, self.num_heads, self.head_size),
             # FlashAttention 3 reads the cache through TMA, which needs 16-byte strides (as vLLM's own forward does).
             k=canonicalize_singleton_dim_strides(key_cache), v=canonicalize_singleton_dim_strides(value_cache),
             out=output[:n].view(n, self.num_heads, self.head_size),
             cu_seqlens_q=attn_metadata.query_start_loc[: r + 1], max_seqlen_q=attn_metadata.max_query_len,
-            seqused_k=_prefix_lens(inputs, attn_metadata), max_seqlen_k=attn_metadata.max_seq_len,
+            seqused_k=prefix_lens, max_seqlen_k=attn_metadata.max_seq_len,
             softmax_scale=self.scale, causal=False, block_table=attn_metadata.block_table,
-            return_softmax_lse=True, fa_version=self.vllm_flash_attn_version,
+            return_softmax_lse=True, scheduler_metadata=schedule, fa_version=self.vllm_flash_attn_version,
             num_splits=attn_metadata.max_num_splits,
         )
         super()._tree_attention(query, kv_cache, attn_metadata, output, inputs, tree_rows_only=False,
@@ -193,20 +195,34 @@ class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
                 and os.environ.get(TREE_KERNEL_PREFIX_ENV, "0") != "1")
 
 
-def _prefix_lens(inputs, attn_metadata) -> torch.Tensor:
-    """Committed keys per request (``seq_lens - q_len``, at least 0: vLLM's graph warm-up runs seq_lens 1), once per
-    forward: the layers of a KV-cache group share one metadata object, and vLLM builds a new one for every forward,
-    captured graphs included (MRV2 and V1 both prepare a capture's inputs afresh), so the first layer's tensor is
-    the forward's, recorded in the same graph as its readers. Keyed on capture too, so a warm-up's eager tensor never
-    reaches a graph."""
+def _prefix_split(impl, inputs, attn_metadata, page_size: int, dtype: torch.dtype):
+    """(committed keys per request, FlashAttention 3's scheduler metadata for the prefix call), once per forward.
+
+    The keys are ``seq_lens - q_len``, at least 0 (vLLM's graph warm-up runs seq_lens 1). The scheduler metadata is
+    what vLLM's FlashAttention builder computes for its own call (``get_scheduler_metadata``), here for the prefix
+    call's arguments (non-causal, the prefix lengths): without it FlashAttention 3 schedules inside every call, a
+    kernel per layer (36 x 2.2 us per step on Qwen3-8B at batch 1, H200 profile of 2026-12-02). The layers of a
+    KV-cache group share one metadata object, and vLLM builds a new one for every forward, captured graphs included
+    (MRV2 and V1 both prepare a capture's inputs afresh), so the first layer's tensors are the forward's, recorded in
+    the same graph as their readers. Keyed on capture too, so a warm-up's eager tensor never reaches a graph."""
     capturing = attn_metadata.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
-    cached = inputs.prefix_lens_of_forward
+    cached = inputs.prefix_of_forward
     if cached is None or cached[0] is not attn_metadata or cached[1] != capturing:
+        from vllm.v1.attention.backends import flash_attn
+
         r = attn_metadata.seq_lens.shape[0]
         qsl = attn_metadata.query_start_loc[: r + 1]
         lens = (attn_metadata.seq_lens - (qsl[1:] - qsl[:-1])).clamp_(min=0)
-        cached = inputs.prefix_lens_of_forward = (attn_metadata, capturing, lens)
-    return cached[2]
+        schedule = None
+        if not vllm_envs.VLLM_BATCH_INVARIANT:  # (vLLM's builder schedules ahead only then)
+            schedule = flash_attn.get_scheduler_metadata(
+                batch_size=r, max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len,
+                num_heads_q=impl.num_heads, num_heads_kv=impl.num_kv_heads, headdim=impl.head_size,
+                cache_seqlens=lens, qkv_dtype=dtype, cu_seqlens_q=qsl, page_size=page_size, causal=False,
+                num_splits=attn_metadata.max_num_splits,
+            )
+        cached = inputs.prefix_of_forward = (attn_metadata, capturing, lens, schedule)
+    return cached[2], cached[3]
 
 
 class TreeFlashAttentionBackend(FlashAttentionBackend):

@@ -181,6 +181,9 @@ def main() -> None:
         seed=0,
         disable_log_stats=False,
         num_gpu_blocks_override=args.get("num_gpu_blocks"),
+        # A fixed KV cache skips vLLM's start-up memory profiling, which fails while another engine on the GPU frees
+        # memory: engines that start side by side (lossless_check.concurrently) set it.
+        kv_cache_memory_bytes=args.get("kv_cache_memory_bytes"),
         block_size=args.get("block_size"),
         mamba_ssm_cache_dtype=args.get("mamba_ssm_cache_dtype", "auto"),
         enable_prefix_caching=args.get("enable_prefix_caching"),

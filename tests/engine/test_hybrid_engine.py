@@ -31,6 +31,7 @@ ORACLE_SEED = 1
 TEACHER_SEED = 2
 # DDTree's GPU path on hybrids is opt-in (config.HYBRID_GPU_ENV); the CPU engine needs nothing.
 GPU_ENV = {"VLLM_DDTREE_HYBRID_GPU": "1"} if torch.cuda.is_available() else {}
+CONCURRENT_GPU_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1"} if torch.cuda.is_available() else {}
 
 
 @pytest.fixture(scope="session")
@@ -96,9 +97,12 @@ def lossless(hybrid) -> LosslessRuns:
     teacher = lc.seeded_teacher(PROMPTS, MAX_TOKENS, TEACHER_SEED)
     continuations = [s[len(p):] for p, s in teacher.items()]
     oracle = {"prompt_token_ids": PROMPTS, "continuations": continuations, "seed": ORACLE_SEED}
-    tree_result, tree = lc.teacher_run(args, teacher, spec=ddtree_spec(drafter), oracle=oracle, env=GPU_ENV)
     chain_spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": BUDGET - 1}
-    _, chain = lc.teacher_run(args, teacher, spec=chain_spec)
+    # Side by side on a GPU, the chain without vLLM's compile cache (two processes would write the same entries).
+    (tree_result, tree), (_, chain) = lc.concurrently(
+        lambda: lc.teacher_run(args, teacher, spec=ddtree_spec(drafter), oracle=oracle, env=GPU_ENV),
+        lambda: lc.teacher_run(args, teacher, spec=chain_spec, env=CONCURRENT_GPU_ENV),
+    )
     keys = {k for rec in (tree, chain) for k in rec.path_keys(teacher) if k is not None}
     reference = lc.reference_logits(args, keys, env=GPU_ENV)
     return LosslessRuns(args, teacher, oracle, drafter, tree_result, tree, chain, reference)

@@ -21,6 +21,7 @@
 #          against DDTree on a Qwen3-8B-shaped random target, plus FlashAttention 3 against the tree kernel at
 #          verify shapes (benchmarks/kernel_profile.py)
 #   tax    the tree tax on the Qwen3-8B shape: step times at batch 1, 8, 32 (bench_e2e.py --shape qwen3-8b)
+#   hostprofile  where a decode step's host time goes: py-spy over each configuration's engine (needs py-spy's wheel)
 #   synthetic  the Qwen3-8B shape at the paper's acceptance (MATH-500: chain τ 7.79, DDTree 10.73) through synthetic
 #          acceptance (vllm_ddtree/synthetic_acceptance.py): end-to-end tokens/s, DDTree against the chain
 #   report  benchmarks/bench_ddtree.py's whole report (tax by batch x budget, the paper's τ, the SmolLM2 pair, 8k
@@ -28,6 +29,7 @@
 #          (--resume skips the runs earlier calls finished; REPORT_ARGS narrows it, e.g. "--workloads qwen3-8b")
 #   tests  the engine tests' greedy-equality checks on GPU with CUDA graphs on (V1 runner: the oracle drafter's
 #          seam is in the V1 adapter; float32)
+#   gputests  tests/gpu (FlashAttention 3's prefix split with its scheduler metadata, eager and graphed)
 #   core   tree-core micro-benchmarks (build, walk, attention, compaction; CUDA graphs; checked against references)
 #   sweep  the tree-attention kernel's launch configurations at verify shapes (benchmarks/attention_sweep.py)
 #   acceptance  τ by budget, chain vs tree, T=0 and T=1 (benchmarks/acceptance.py) for the trained drafter
@@ -143,8 +145,10 @@ phase_profile() {
   # comparison table (benchmarks/kernel_profile.py). PROFILE_RUNS: "configs|budgets|batches" groups.
   # Attention micro-benchmarks first: our tree kernel against FlashAttention 3 at verify shapes.
   # attention_fa3_split is what FLASH_ATTN runs for a verify batch: FA3 over the prefix, the tree kernel over the block.
+  # PROFILE_CONTEXTS="" skips them; PROFILE_ARGS adds bench_e2e options (e.g. --step-timing: the same engines then
+  # also give the tax, from their timed passes).
   local run configs budgets batches context
-  for context in ${PROFILE_CONTEXTS:-0 1024 4096}; do
+  for context in ${PROFILE_CONTEXTS-0 1024 4096}; do
     timeout 120 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_split \
       --batches 1,8 --budgets 16,64 --graph --context "$context" --out "$RESULTS/attention_core_$context.json" \
       > "$RESULTS/attention_core_$context.log" 2>&1
@@ -153,14 +157,35 @@ phase_profile() {
   for run in ${PROFILE_RUNS:-"dflash,ddtree_B=16|16|1_8" "ddtree_B=64|64|1"}; do
     IFS='|' read -r configs budgets batches <<< "$run"
     timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
-      --budgets ${budgets//_/ } --batch-sizes ${batches//_/ } --max-tokens 48 --num-prompts 8 \
-      --configs "${configs//_/ }" --profile-dir "$RESULTS/profile" \
+      --budgets ${budgets//_/ } --batch-sizes ${batches//_/ } --max-tokens ${PROFILE_TOKENS:-48} \
+      --num-prompts ${PROFILE_PROMPTS:-8} --configs "${configs//_/ }" --profile-dir "$RESULTS/profile" ${PROFILE_ARGS:-} \
       --out "$RESULTS/profile_e2e_${budgets}.json" > "$RESULTS/profile_e2e_${budgets}.log" 2>&1
     tail -8 "$RESULTS/profile_e2e_${budgets}.log"
   done
   python3 benchmarks/kernel_profile.py "$RESULTS/profile" --out "$RESULTS/profile_compare.json" \
     > "$RESULTS/profile_compare.log" 2>&1
   head -c 9000 "$RESULTS/profile_compare.log"
+}
+
+phase_hostprofile() {
+  # Where the host time of a decode step goes (benchmarks/host_profile.py): py-spy samples each configuration's
+  # bench_e2e worker (engine core in-process) over a whole run, idle waits included; needs py-spy, carried as its
+  # wheel under .gpu/m*/ (phase setup installs it into /tmp/site). HOSTPROF_CONFIGS, HOSTPROF_BATCH, SHAPE as for tax.
+  local spy=/tmp/site/bin/py-spy name
+  [[ -x $spy ]] || { echo "hostprofile: no py-spy (carry its manylinux wheel under .gpu/m*/)"; return 1; }
+  mkdir -p "$RESULTS/host_profile"
+  IFS=',' read -ra names <<< "${HOSTPROF_CONFIGS:-dflash,ddtree B=16,ddtree B=64}"
+  for name in "${names[@]}"; do
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout "${HOSTPROF_TIMEOUT:-170}" "$spy" record --idle --subprocesses \
+      --rate 200 --format raw --output "$RESULTS/host_profile/${name// /_}.txt" -- \
+      python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" --budgets 16 64 \
+      --batch-sizes ${HOSTPROF_BATCH:-1} --max-tokens 64 --num-prompts 16 --configs "$name" \
+      --out "$RESULTS/host_profile/${name// /_}.json" > "$RESULTS/host_profile/${name// /_}.log" 2>&1
+    echo "hostprofile $name exit $?"
+  done
+  python3 benchmarks/host_profile.py "$RESULTS/host_profile" --out "$RESULTS/host_profile.json" \
+    > "$RESULTS/host_profile.log" 2>&1
+  head -c 9000 "$RESULTS/host_profile.log"
 }
 
 phase_tax() {
@@ -204,11 +229,11 @@ phase_hybrid() {
   # Issue 20 on GPU: the teacher-forced lossless test of DDTree on the tiny Qwen3_5ForConditionalGeneration (tree
   # Triton kernels behind patch 0005's hooks, CUDA graphs, bf16: FLA's GDN prefill refuses float32), every run on
   # DDTree's runner and attention backend so the tolerance measured on the chain covers the same kernels. Three engine
-  # runs (DDTree, the chain, the reference prefill; the teacher is seeded, not a no-spec run since the fourth session
-  # of 2026-12-01), 180-250 s each on the H200 (2026-12-01: 82-87 s of each in vLLM's first profiling run): more than
-  # one call. Finished runs are kept in .cache/hybrid_runs (lossless_check's run cache: same inputs, environment and
-  # code), so repeating the phase in the next call of the lease reuses them and finishes. HYBRID_K="qwen3_5" adds
-  # the two fault runs that show the check failing; "" runs the Qwen3-Next target too.
+  # runs (DDTree and the chain side by side, then the reference prefill; the teacher is seeded), 140-170 s each on
+  # the H200 (70-75 s of each in vLLM's first profiling run): 329 s in all on 2026-12-02. Finished runs are kept in
+  # .cache/hybrid_runs (lossless_check's run cache: same inputs, environment and code), so repeating the phase in
+  # the next call of the lease reuses them. HYBRID_K="qwen3_5" adds the two fault runs that show the check failing;
+  # "" runs the Qwen3-Next target too.
   python3 -c "import torchvision" 2>/dev/null || echo "hybrid: no torchvision here: vLLM cannot import Qwen3.5 \
 (carry torchvision-0.26.0-cp312-cp312-manylinux_2_28_x86_64.whl under .gpu/m*/ for phase setup)"
   VLLM_USE_V2_MODEL_RUNNER=0 VLLM_DDTREE_TEST_ATTENTION_BACKEND=TRITON_ATTN VLLM_DDTREE_TEST_CUDA_GRAPHS=1 \
@@ -233,6 +258,13 @@ phase_hybridbench() {
     ${HYBRID_SCHEDULE:+--budget-schedule "$HYBRID_SCHEDULE"} \
     --out "$RESULTS/hybrid_bench${HYBRIDBENCH_TAG:-}.json" > "$RESULTS/hybridbench${HYBRIDBENCH_TAG:-}.log" 2>&1
   tail -25 "$RESULTS/hybridbench${HYBRIDBENCH_TAG:-}.log"
+}
+
+phase_gputests() {
+  # tests/gpu: what only a GPU can check (FlashAttention 3's prefix call with ddtree's scheduler metadata, eager and
+  # in a CUDA graph, against the dense reference); Triton compiles for the GPU there.
+  timeout "${GPUTESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$RESULTS/gputests.log" 2>&1
+  tail -30 "$RESULTS/gputests.log"
 }
 
 phase_tests() {

@@ -1,0 +1,54 @@
+"""benchmarks/kernel_profile.py and host_profile.py: the per-step tables the profile phases print, on small inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kp = _load("kernel_profile")
+hp = _load("host_profile")
+
+
+def test_kernel_profile_sums_matrix_products_and_counts_launches():
+    """cuBLAS picks other kernels for 17 rows than for 16: per name they swap places by milliseconds, so the ranking
+    compares their sum; launches per step are counted by class."""
+    base = {"steps": 2, "wall_ms": 10.0, "kernels": {
+        "nvjet_sm90_tst_192x16_TNT": {"us": 2000.0, "count": 2}, "argmax_reduce_kernel": {"us": 20.0, "count": 2}}}
+    tree = {"steps": 2, "wall_ms": 12.0, "kernels": {
+        "nvjet_sm90_tst_192x24_TNT": {"us": 2040.0, "count": 2}, "_tree_attn_kernel": {"us": 400.0, "count": 72}}}
+    report = kp.compare({1: {"dflash": base, "ddtree": tree}}, "dflash", top=5)[1]
+    diffs = {d["kernel"]: d["delta_us"] for d in report["largest_differences_from_base"]["ddtree"]}
+    assert diffs == {"_tree_attn_kernel": 200.0, kp.GEMMS: 20.0, "argmax_reduce_kernel": -10.0}
+    assert report["configs"]["ddtree"]["launches_per_step"] == {"gemm": 1.0, "tree attention (ours)": 36.0}
+
+
+def test_host_profile_counts_only_the_engine_step(tmp_path):
+    """Samples outside the engine core's step (start-up, compilation) are left out; a stack counts once per
+    function it passes through (inclusive) and once for its innermost frame (self)."""
+    step = "step (/site/vllm/v1/engine/core.py:580)"
+    run = "execute_model (/site/vllm/v1/worker/gpu/model_runner.py:1200)"
+    ours = "walk (/repo/vllm_ddtree/verify_core.py:150)"
+    (tmp_path / "ddtree.txt").write_text("\n".join([
+        f"process 1;main (x.py:1);{step};{run};{ours};_walk_rows (/repo/vllm_ddtree/verify_core.py:170) 30",
+        f"process 1;main (x.py:1);{step};{run};cudaLaunch (libcuda.so) 50",
+        f"process 1;main (x.py:1);{step};schedule (/site/vllm/v1/core/sched/scheduler.py:430) 20",
+        "process 1;main (x.py:1);compile (/site/torch/_inductor/compile.py:9) 900",
+    ]) + "\n")
+    entry = hp.main([str(tmp_path)])["ddtree"]
+    assert entry["loop_samples"] == 100
+    assert entry["watched_pct"]["execute_model"] == 80.0 and entry["watched_pct"]["scheduler"] == 20.0
+    assert entry["watched_pct"]["vllm_ddtree (all)"] == 30.0
+    assert entry["ours_inclusive_pct"][ours] == 30.0
+    assert entry["self_pct"]["cudaLaunch (libcuda.so)"] == pytest.approx(50.0)

@@ -260,6 +260,30 @@ def setup_walk_core(case: Case) -> Step:
     return lambda: walk_tree(node_tokens, tree, case.depth, out)
 
 
+def _verify_walk_triton(case: Case) -> str:
+    from vllm_ddtree.sampler import walk_tree
+    from vllm_ddtree.walk_triton import walk_tree_triton
+
+    tree = _built_tree(case)
+    node_tokens = _target_logits(case, tree).argmax(-1)
+    want, got = walk_tree(node_tokens, tree, case.depth), walk_tree_triton(node_tokens, tree, case.depth)
+    same = all(torch.equal(getattr(want, f), getattr(got, f))
+               for f in ("output_token_ids", "accepted_node_ids", "num_accepted"))
+    return "ok" if same else "differs from walk_tree"
+
+
+@register("walk_triton", verify=_verify_walk_triton)
+def setup_walk_triton(case: Case) -> Step:
+    """walk_core in one Triton launch (walk_triton.py, what the verify core runs on CUDA)."""
+    from vllm_ddtree.sampler import TreeWalkOutput
+    from vllm_ddtree.walk_triton import walk_tree_triton
+
+    tree = _built_tree(case)
+    node_tokens = _target_logits(case, tree).argmax(-1)
+    out = TreeWalkOutput.allocate(case.batch, case.depth, case.device)
+    return lambda: walk_tree_triton(node_tokens, tree, case.depth, out)
+
+
 @register("walk_sampled")
 def setup_walk_sampled(case: Case) -> Step:
     """T=0.8 + top-p 0.95 at every node (vLLM's top-k/top-p and sampling functions), then the walk."""

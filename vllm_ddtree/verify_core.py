@@ -6,7 +6,8 @@ One verify step, in the order the runner adapters (``v1/``, ``mrv2/``) call it:
    positions in place (``verify_rows.prepare_rows``); the step is then *in flight* for the target's attention,
    which reads ``attention`` (static buffers, so a captured CUDA graph replays with this step's trees);
 2. the runner's forward and logits; the adapter draws one target token per logits row with its runner's sampler;
-3. ``walk(node_row_tokens)``: the walk (``sampler.walk_tree``, replayed from a graph), then KV compaction of the
+3. ``walk(node_row_tokens)``: the walk (``walk_triton``, one launch, replayed from a graph; ``sampler.walk_tree`` is
+   its reference and the CPU engine's), then KV compaction of the
    accepted nodes onto the path (and a hybrid target's recurrent state, ``hybrid/``), so the next step sees a chain;
 4. ``linearise(...)`` for the drafter: positions back to linear, accepted rows right after their roots;
    ``path_rows`` puts logits rows in accepted-path order for the runner's logprobs.
@@ -39,6 +40,7 @@ from vllm_ddtree.verify_rows import (
     prepare_rows_torch,
     prepare_rows_triton,
 )
+from vllm_ddtree.walk_triton import walk_tree_triton
 
 # Set to 1 to raise when a request is fed drafts of a fresh tree that differ from the tree (the target would verify
 # tokens the tree does not hold: a bug in the hand-over). One host sync per verify step; the engine tests set it.
@@ -115,6 +117,7 @@ class TreeVerifyCore:
         use_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         self._prepare_rows = prepare_rows_triton if use_triton else prepare_rows_torch
         self._linearise_rows = linearise_rows_triton if use_triton else linearise_rows_torch
+        self._walk_tree = walk_tree_triton if use_triton else walk_tree
         self._row_buffers = RowBuffers(max_reqs, max_num_tokens, device)
         self._identity = torch.arange(max_num_tokens, dtype=torch.int64, device=device)
         # The walk reads only static buffers (node_tokens, verify_trees) and writes walk_out: replayed from a graph.
@@ -190,7 +193,7 @@ class TreeVerifyCore:
     def _walk_rows(self, rows: int) -> None:
         if self.synthetic is not None:
             self.synthetic.force(self.node_tokens[:rows], self.verify_trees)
-        walk_tree(self.node_tokens[:rows], self.verify_trees, self.depth, self.walk_out)
+        self._walk_tree(self.node_tokens[:rows], self.verify_trees, self.depth, self.walk_out)
 
     def path_rows(self, step: VerifyStep, num_logits: int) -> torch.Tensor:
         """Logits rows in accepted-path order: row ``start[r] + j <- start[r] + acc[r, j]`` (logprob j of request r

@@ -112,6 +112,28 @@ def test_greedy_walk_matches_brute_force(budget: int, depth: int, vocab: int) ->
     check_walk(greedy, tree, post, depth)
 
 
+@pytest.mark.parametrize("budget,depth,max_depth,vocab", [(1, 3, 3, 5), (16, 15, 15, 12), (40, 8, 3, 6),
+                                                         (64, 15, 15, 50)])
+def test_triton_walk_equals_the_torch_walk(budget: int, depth: int, max_depth: int, vocab: int) -> None:
+    """The one-launch walk (walk_triton.py, interpreted here) writes what walk_tree writes, field for field: long
+    accepted paths, trees cut short, a row without a tree, nodes past a shallower max_depth, budgets whose ancestor
+    bits span two words; rows past the batch stay untouched."""
+    from vllm_ddtree.walk_triton import walk_tree_triton
+
+    rows = 6
+    tree = random_trees(rows, budget, depth, vocab, seed=budget + 7)
+    post = posterior_following_tree(tree, vocab, follow=0.9, seed=budget + 8)
+    want = walk_tree(post, tree, max_depth)
+    got = poisoned_output(rows + 1, max_depth)
+    spare = [t[rows:].clone() for t in (got.output_token_ids, got.accepted_node_ids, got.num_accepted)]
+    walk_tree_triton(post, tree, max_depth, got)
+    for name in ("output_token_ids", "accepted_node_ids", "num_accepted"):
+        assert torch.equal(getattr(got, name)[:rows], getattr(want, name)), name
+    for before, t in zip(spare, (got.output_token_ids, got.accepted_node_ids, got.num_accepted)):
+        assert torch.equal(before, t[rows:])
+    assert want.num_accepted.max() >= min(max_depth, budget, 3)  # the forced matches produced long paths
+
+
 def test_walk_depth_cap() -> None:
     """Nodes deeper than max_depth are never accepted, and the output stays max_depth + 1 wide."""
     tree = tree_batch_from_lists([([1, 2, 3, 4], [0, 1, 2, 3])], budget=4, root_tokens=[0])

@@ -150,8 +150,32 @@ def _topk_step(case: Case, topk: Callable[[torch.Tensor, int], tuple]) -> Step:
 
 @register("build_topk")
 def setup_build_topk(case: Case) -> Step:
-    """Just the vocabulary-wide part of the build (top-k of the logits, their log-probs, tie ordering)."""
+    """Just the vocabulary-wide part of the build (top-k of the logits, their log-probs, tie ordering), as the
+    build runs it (build.triton_topk picks the path)."""
     return _topk_step(case, per_depth_topk)
+
+
+@register("build_topk_torch")
+def setup_build_topk_torch(case: Case) -> Step:
+    """build_topk on its PyTorch path (torch.topk, the row log-sum-exp, order_topk)."""
+    return _topk_step(case, lambda logits, k: per_depth_topk(logits, k, use_triton=False))
+
+
+def _verify_build_topk_triton(case: Case) -> str:
+    """The PyTorch path's log-probs within 1e-5, its tokens where no tie straddles the k-th value."""
+    logits = _draft_logits(case, seed=5)
+    k = min(case.budget, case.vocab)
+    (new_logp, new_ids), (ref_logp, ref_ids) = (per_depth_topk(logits, k, use_triton=True),
+                                                per_depth_topk(logits, k, use_triton=False))
+    if not torch.allclose(new_logp, ref_logp, rtol=0, atol=1e-5):
+        return f"log-probs differ by {float((new_logp - ref_logp).abs().max()):.2e}"
+    return "ok" if torch.equal(new_ids, ref_ids) else "ok (tokens differ only within ties)"
+
+
+@register("build_topk_triton", verify=_verify_build_topk_triton)
+def setup_build_topk_triton(case: Case) -> Step:
+    """build_topk in two Triton launches (tree/topk_triton.py), whatever the size."""
+    return _topk_step(case, lambda logits, k: per_depth_topk(logits, k, use_triton=True))
 
 
 def _topk_of_log_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,44 +188,13 @@ def _verify_build_topk_log_softmax(case: Case) -> str:
     """The same ranks and tokens as build_topk, log-probs within 1e-4 (a different float32 rounding)."""
     logits = _draft_logits(case, seed=5)
     k = min(case.budget, case.vocab)
-    (new_logp, new_ids), (old_logp, old_ids) = per_depth_topk(logits, k), _topk_of_log_softmax(logits, k)
+    (new_logp, new_ids), (old_logp, old_ids) = (per_depth_topk(logits, k, use_triton=False),
+                                                _topk_of_log_softmax(logits, k))
     if not torch.equal(new_ids, old_ids):
         return "top-k tokens differ"
     if not torch.allclose(new_logp, old_logp, rtol=0, atol=1e-4):
         return f"log-probs differ by {float((new_logp - old_logp).abs().max()):.2e}"
     return "ok"
-
-
-def _topk_two_stage(logits: torch.Tensor, k: int, chunks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """A candidate for build_topk at small batch: top-k within ``chunks`` slices of each row (batch x 15 x chunks
-    short rows in parallel instead of batch x 15 long ones), then top-k of the chunk winners. The same set up to
-    which token of a tie at the k-th value gets in; normalised and ordered as per_depth_topk does."""
-    from vllm_ddtree.tree.logsumexp import row_logsumexp
-
-    rows, depth, vocab = logits.shape
-    width = -(-vocab // chunks)
-    padded = torch.nn.functional.pad(logits, (0, chunks * width - vocab), value=float("-inf"))
-    part_values, part_ids = torch.topk(padded.view(rows, depth, chunks, width), min(k, width), dim=-1)
-    part_ids = part_ids + (torch.arange(chunks, device=logits.device) * width)[:, None]
-    values, pick = torch.topk(part_values.flatten(2), k, dim=-1)
-    ids = torch.gather(part_ids.flatten(2), -1, pick)
-    return order_topk(values.float() - row_logsumexp(logits).unsqueeze(-1), ids)
-
-
-def _verify_build_topk_two_stage(case: Case) -> str:
-    """The same log-probs as build_topk, position by position; the same tokens where no tie straddles the k-th."""
-    logits = _draft_logits(case, seed=5)
-    k = min(case.budget, case.vocab)
-    (new_logp, new_ids), (ref_logp, ref_ids) = _topk_two_stage(logits, k), per_depth_topk(logits, k)
-    if not torch.equal(new_logp, ref_logp):
-        return "log-probs differ"
-    return "ok" if torch.equal(new_ids, ref_ids) else "ok (tokens differ only within ties)"
-
-
-@register("build_topk_two_stage", verify=_verify_build_topk_two_stage)
-def setup_build_topk_two_stage(case: Case) -> Step:
-    """build_topk's top-k in two stages (per-chunk, then across chunks): more parallel at small batch."""
-    return _topk_step(case, _topk_two_stage)
 
 
 @register("build_topk_log_softmax", verify=_verify_build_topk_log_softmax)

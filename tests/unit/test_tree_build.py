@@ -179,6 +179,38 @@ def test_per_depth_topk(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,k", [(40, 16), (5000, 16), (9000, 32), (300, 64)])
+def test_triton_topk_equals_the_torch_topk(dtype: torch.dtype, vocab: int, k: int) -> None:
+    """The two-launch top-k (topk_triton.py, interpreted here) gives per_depth_topk's log-probs position by
+    position and its tokens wherever no tie straddles the k-th value (there, the lowest ids); rows longer than a
+    chunk, a row half -inf, bf16 ties by the hundred, k above a chunk's share."""
+    from vllm_ddtree.tree.topk_triton import per_depth_topk_triton
+
+    gen = torch.Generator().manual_seed(vocab + k)
+    logits = (torch.randn(2, 3, vocab, generator=gen) * 3).to(dtype)
+    logits[0, 0, : vocab // 2] = float("-inf")
+    values, ids = per_depth_topk_triton(logits, k)
+    want_values, want_ids = per_depth_topk(logits, k)
+    assert values.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == want_ids.shape
+    assert torch.allclose(values, want_values, rtol=0, atol=1e-5)
+    flat = logits.float().view(-1, vocab)
+    kth = torch.gather(flat, -1, ids.view(-1, k)[:, -1:])  # the k-th logit
+    straddles = ((flat == kth).sum(-1) > (torch.gather(flat, -1, ids.view(-1, k)) == kth).sum(-1)).view(ids.shape[:-1])
+    assert torch.equal(ids[~straddles], want_ids[~straddles])
+    tie = values[..., :-1] == values[..., 1:]
+    assert (ids[..., :-1] < ids[..., 1:])[tie].all()
+    left_out = logits.float().scatter(-1, ids, float("-inf"))
+    assert (left_out.amax(-1) <= torch.gather(logits.float(), -1, ids[..., -1:]).squeeze(-1)).all()
+    # Where a tie straddles the k-th value, the lowest ids of it get in.
+    ties_at_kth = flat.eq(kth) & left_out.view(-1, vocab).isfinite()  # tokens of the k-th value left out
+    taken_at_kth = torch.gather(flat, -1, ids.view(-1, k)).eq(kth)
+    assert straddles.any() or not (dtype == torch.bfloat16 and vocab > 1000)  # (the tie branch is exercised)
+    for r in range(flat.shape[0]):
+        if ties_at_kth[r].any():
+            assert ties_at_kth[r].nonzero().min() > ids.view(-1, k)[r][taken_at_kth[r]].max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_logsumexp_kernel_equals_torch(dtype: torch.dtype) -> None:
     """The Triton kernels (interpreted here) against torch.logsumexp in float32: rows longer and shorter than a block,
     cut into pieces or not, -inf entries (masked vocabulary), a row that starts with a run of -inf (a whole piece of

@@ -46,7 +46,8 @@ from vllm_ddtree.tree.layout import BITS_PER_WORD, TreeBatch, num_ancestor_words
 from vllm_ddtree.tree.logsumexp import row_logsumexp
 
 
-def per_depth_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_depth_topk(draft_logits: torch.Tensor, k: int, use_triton: bool | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k float32 log-probs per depth, best first, equal values ordered by token id (deterministic ranks).
 
     draft_logits [R, L, V] (any float dtype) -> (top_logp [R, L, k] float32, top_ids [R, L, k] int64).
@@ -55,10 +56,28 @@ def per_depth_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     float32 log-softmax of the whole vocabulary first. On an H200 (Qwen3-8B's vocabulary, bf16, 15 depths, CUDA
     graphs, bench_tree_core.py build_topk against build_topk_log_softmax, one call) that took this step from 146 /
     550 / 1472 / 2706 us to 134 / 321 / 753 / 1309 at batch 1 / 8 / 32 / 64. Which of several tokens tied at the
-    k-th value gets in is torch.topk's choice; the order inside the k is ours.
+    k-th value gets in is torch.topk's choice; the order inside the k is ours. ``use_triton`` (by default CUDA's
+    small cases, ``triton_topk``): the same in two launches (topk_triton.py; ties at the k-th: the lowest ids).
     """
+    if use_triton if use_triton is not None else triton_topk(draft_logits, k):
+        from vllm_ddtree.tree.topk_triton import per_depth_topk_triton
+
+        return per_depth_topk_triton(draft_logits, k)
     values, ids = torch.topk(draft_logits, k, dim=-1, sorted=True)
     return order_topk(values.float() - row_logsumexp(draft_logits).unsqueeze(-1), ids)
+
+
+# The two-launch top-k takes k maxima one after another in every chunk of the vocabulary, so its work grows with
+# rows x k, where torch.topk's radix select hardly feels k; its launches are two where torch's path takes about
+# twenty. Estimated, not yet timed (bench_tree_core.py build_topk against build_topk_triton): it should win while
+# rows x k is small (batch 1 to about 16 at B = 16 with 15 depths).
+TRITON_TOPK_MAX_ROWS_X_K = 4096
+
+
+def triton_topk(draft_logits: torch.Tensor, k: int) -> bool:
+    """Whether ``per_depth_topk`` takes the two-launch Triton top-k by default here."""
+    rows = draft_logits.numel() // draft_logits.shape[-1]
+    return draft_logits.is_cuda and rows * k <= TRITON_TOPK_MAX_ROWS_X_K
 
 
 def order_topk(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -262,7 +262,8 @@ phase_hybridbench() {
 
 phase_gputests() {
   # tests/gpu: what only a GPU can check (FlashAttention 3's prefix call with ddtree's scheduler metadata, eager and
-  # in a CUDA graph, against the dense reference); Triton compiles for the GPU there.
+  # in a CUDA graph, against the dense reference; the tree core's Triton kernels compiled, against their PyTorch
+  # references).
   timeout "${GPUTESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$RESULTS/gputests.log" 2>&1
   tail -30 "$RESULTS/gputests.log"
 }

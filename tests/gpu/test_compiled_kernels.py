@@ -1,0 +1,59 @@
+"""The tree core's Triton kernels compiled for the GPU against their PyTorch references (tests/unit runs them through
+the interpreter, whose integer and bit arithmetic is numpy's: the compiled code must agree too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+QWEN3_VOCAB = 151936
+
+
+@pytest.mark.parametrize("budget,k", [(16, 16), (32, 32), (64, 64)])
+def test_topk_and_normaliser(budget: int, k: int) -> None:
+    from vllm_ddtree.tree.build import per_depth_topk
+    from vllm_ddtree.tree.logsumexp import row_logsumexp
+
+    gen = torch.Generator(device="cuda").manual_seed(budget)
+    for rows, dtype in ((1, torch.bfloat16), (8, torch.bfloat16), (2, torch.float32)):
+        logits = (torch.randn(rows, 15, QWEN3_VOCAB, generator=gen, device="cuda") * 4).to(dtype)
+        logits[0, 0, :1000] = float("-inf")
+        want = torch.logsumexp(logits.float(), dim=-1)
+        assert torch.allclose(row_logsumexp(logits, use_triton=True), want, rtol=0, atol=1e-4)
+        values, ids = per_depth_topk(logits, k, use_triton=True)
+        ref_values, ref_ids = per_depth_topk(logits, k, use_triton=False)
+        assert torch.allclose(values, ref_values, rtol=0, atol=1e-4)
+        kth = ref_values[..., -1:]
+        clear = ~((ref_values == kth).sum(-1) > 1)  # no tie at the k-th value: the same tokens, in the same order
+        assert torch.equal(ids[clear], ref_ids[clear])
+
+
+@pytest.mark.parametrize("budget", [16, 32, 64])
+def test_build_and_walk(budget: int) -> None:
+    from vllm_ddtree.sampler import walk_tree
+    from vllm_ddtree.tree.build import build_tree
+    from vllm_ddtree.tree.layout import TreeBatch
+    from vllm_ddtree.walk_triton import walk_tree_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(budget + 1)
+    rows, depth, vocab = 8, 15, 2000
+    logits = torch.randn(rows, depth, vocab, generator=gen, device="cuda") * 5
+    roots = torch.randint(0, vocab, (rows,), generator=gen, device="cuda")
+    torch_tree, triton_tree = (TreeBatch.allocate(rows, budget, "cuda") for _ in range(2))
+    build_tree(logits, budget, torch_tree, roots, use_triton=False)
+    build_tree(logits, budget, triton_tree, roots, use_triton=True)
+    for name in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
+        assert torch.equal(getattr(torch_tree, name), getattr(triton_tree, name)), name
+    # Target tokens that follow the tree often: each node's token is the first child's half the time.
+    node_tokens = torch.randint(0, vocab, (rows, budget + 1), generator=gen, device="cuda")
+    parents = torch_tree.parents.long()
+    for r in range(rows):
+        for child in range(budget, 0, -1):  # the last write wins: the lowest-numbered child
+            if parents[r, child] >= 0 and torch.rand((), generator=gen, device="cuda") < 0.7:
+                node_tokens[r, parents[r, child]] = torch_tree.token_ids[r, child]
+    want, got = walk_tree(node_tokens, torch_tree, depth), walk_tree_triton(node_tokens, torch_tree, depth)
+    assert int(want.num_accepted.max()) >= 2
+    for name in ("output_token_ids", "accepted_node_ids", "num_accepted"):
+        assert torch.equal(getattr(want, name), getattr(got, name)), name

@@ -59,6 +59,7 @@ CPU_DEFAULTS = {"batch_sizes": [4], "max_tokens": 32, "num_prompts": 4, "eager":
                 "warmup": False}
 GPU_DEFAULTS = {"batch_sizes": [1, 4], "max_tokens": 32, "num_prompts": None, "eager": False,
                 "max_num_batched_tokens": None, "warmup": True}
+CONCURRENT_KV_CACHE_BYTES = 4 << 30  # per engine with --concurrent-engines
 CPU_BANNER = ("bench_e2e on the CPU engine shows acceptance (tau: tokens per verify step) and losslessness (outputs "
               "differing from no-spec: 0 in float32). vLLM runs eagerly here, so tok/s and the x columns are no "
               "speed reference: speed needs a GPU (benchmarks/README.md).")
@@ -88,7 +89,8 @@ def worker(args: dict) -> dict:
         load_format=args["load_format"],
         # On CPU gpu_memory_utilization budgets the worker's whole memory; an explicit KV size is what works there.
         gpu_memory_utilization=args["gpu_memory_utilization"] or 0.9,
-        kv_cache_memory_bytes=None if args["gpu_memory_utilization"] else 512 << 20,
+        kv_cache_memory_bytes=args.get("kv_cache_memory_bytes") or (None if args["gpu_memory_utilization"]
+                                                                     else 512 << 20),
         distributed_executor_backend="uni" if args["in_process"] else None,
         async_scheduling=async_scheduling,
         # TP probe on the GPU host: vLLM's custom all-reduce needs CUDA IPC peer access between the GPUs.
@@ -254,6 +256,10 @@ def main() -> None:
                         help="a warm-up pass over each batch size's shapes before timing (default: on GPU, off on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 on GPU; on CPU a "
                         "fixed 512 MiB KV cache")
+    parser.add_argument("--concurrent-engines", action="store_true", help="start every configuration's engine at "
+                        "once, each with a fixed KV cache (vLLM's start-up memory profiling trips over another engine "
+                        "on the GPU) and no compile cache: for the outputs of correctness runs, not for timings, "
+                        "which then overlap")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--profile-dir", default=None, help="after each timed pass, profile one more pass per batch "
                         "size (torch profiler, engine in-process) and write per-kernel device time there "
@@ -351,6 +357,12 @@ def main() -> None:
             "synthetic_acceptance_length": args.synthetic_acceptance_length, "prefill_tokens": args.prefill_tokens,
             "capture_sizes": args.capture_sizes}
     results: dict[str, dict | None] = {}
+    if args.concurrent_engines:
+        base["gpu_memory_utilization"] = min(base["gpu_memory_utilization"] or 0.9, 0.9 / len(configs))
+        base["kv_cache_memory_bytes"] = CONCURRENT_KV_CACHE_BYTES
+        configs = [(name, spec, {**env, "VLLM_DISABLE_COMPILE_CACHE": "1"}) for name, spec, env in configs]
+        meta["concurrent_engines"] = True
+    launched = []
     for name, spec, env in configs:
         worker_args = {**base, "spec": spec, "config": name, "profile_dir": args.profile_dir,
                        "capture_sizes": capture_sizes(args.capture_sizes, spec, args.batch_sizes,
@@ -362,7 +374,11 @@ def main() -> None:
             timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
             env = {**env, step_timing.TIMING_ENV: timing_dir}
         gdn_state = gdn_state_gib(target_config, spec, args.tensor_parallel_size) if base["hybrid"] else None
-        _finish(_launch(name, worker_args, env, args.out, timing_dir, gdn_state), results, meta, args.out)
+        launched.append(_launch(name, worker_args, env, args.out, timing_dir, gdn_state))
+        if not args.concurrent_engines:
+            _finish(launched.pop(), results, meta, args.out)
+    for run in launched:
+        _finish(run, results, meta, args.out)
     print()
     print_table(summarise(results))
     failed = [name for name, res in results.items() if res is None]

@@ -116,14 +116,15 @@ phase_probe() {
 
 phase_equality() {
   # Issue 18: the default path is lossless. Float32 with IEEE dots (Triton's float32 default is TF32), async
-  # scheduling and CUDA graphs as vLLM sets them; the stale-tree check raises on any hand-over bug.
+  # scheduling and CUDA graphs as vLLM sets them; the stale-tree check raises on any hand-over bug. The engines start
+  # side by side (--concurrent-engines: outputs only, their tok/s mean nothing); EQUALITY_ARGS adds options.
   local target drafter
   read -r target drafter < <(smollm2_pair)
   VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-330}" python3 benchmarks/bench_e2e.py \
     --model "$target" --drafter "$drafter" --prompt-set heldout --num-prompts 16 --budgets 16 64 --batch-sizes 1 8 \
     --max-tokens 96 --dtype float32 --budget-schedule "${EQUALITY_SCHEDULE:-[[1, 1, 64], [2, 8, 16]]}" \
-    --configs "${EQUALITY_CONFIGS:-no-spec,ddtree B=16,ddtree B=64,ddtree adaptive}" \
-    --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
+    --configs "${EQUALITY_CONFIGS:-no-spec,ddtree B=16,ddtree B=64,ddtree adaptive}" --concurrent-engines \
+    ${EQUALITY_ARGS:-} --out "$RESULTS/equality_fp32.json" > "$RESULTS/equality.log" 2>&1
   tail -12 "$RESULTS/equality.log"
 }
 

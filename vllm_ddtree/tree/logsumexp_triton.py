@@ -45,16 +45,22 @@ def _piece_max_sum_kernel(x_ptr, max_ptr, sum_ptr, n_cols, row_stride, piece_col
 
 
 @triton.jit
+def combine_pieces(piece_max, piece_sum):
+    """log(sum over pieces of piece_sum * exp(piece_max)): a piece of nothing but -inf (-inf, 0) adds nothing."""
+    row_max = tl.max(piece_max, axis=0)
+    live = piece_max > float("-inf")
+    total = tl.sum(tl.where(live, piece_sum * tl.exp(piece_max - row_max), 0.0), axis=0)
+    return row_max + tl.log(total)
+
+
+@triton.jit
 def _merge_pieces_kernel(max_ptr, sum_ptr, out_ptr, num_pieces, BLOCK_PIECES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK_PIECES)
     mask = idx < num_pieces
     piece_max = tl.load(max_ptr + row * num_pieces + idx, mask=mask, other=float("-inf"))
     piece_sum = tl.load(sum_ptr + row * num_pieces + idx, mask=mask, other=0.0)
-    row_max = tl.max(piece_max, axis=0)
-    live = piece_max > float("-inf")
-    total = tl.sum(tl.where(live, piece_sum * tl.exp(piece_max - row_max), 0.0), axis=0)
-    tl.store(out_ptr + row, row_max + tl.log(total))
+    tl.store(out_ptr + row, combine_pieces(piece_max, piece_sum))
 
 
 def pieces_per_row(rows: int, vocab: int, block: int) -> int:

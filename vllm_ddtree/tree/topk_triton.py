@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.tree.logsumexp_triton import combine_pieces
+
 CHUNK = 4096  # tokens per program of the first launch
 _LOW_WORD = tl.constexpr(4294967295)  # 2^32 - 1
 _TAKEN = tl.constexpr(-9223372036854775808)  # below every key: a taken or missing entry
@@ -73,10 +75,7 @@ def _merge_topk_kernel(cand_ptr, max_ptr, sum_ptr, values_ptr, ids_ptr, num_chun
     has_chunk = chunk < num_chunks
     chunk_max = tl.load(max_ptr + row * num_chunks + chunk, mask=has_chunk, other=float("-inf"))
     chunk_sum = tl.load(sum_ptr + row * num_chunks + chunk, mask=has_chunk, other=0.0)
-    row_max = tl.max(chunk_max, axis=0)
-    live = chunk_max > float("-inf")
-    total = tl.sum(tl.where(live, chunk_sum * tl.exp(chunk_max - row_max), 0.0), axis=0)
-    lse = row_max + tl.log(total)
+    lse = combine_pieces(chunk_max, chunk_sum)
     cand = tl.arange(0, CANDS_PAD)
     key = tl.load(cand_ptr + row * num_chunks * K + cand, mask=cand < num_chunks * K, other=_TAKEN)
     # Keyed again on the log-prob itself, so that logits a rounding apart that normalise to one value tie by id.

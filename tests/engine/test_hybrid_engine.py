@@ -81,13 +81,20 @@ class LosslessRuns:
     def report(self, recording: lc.Recording) -> lc.DeviationReport:
         return lc.deviation_report(recording, recording.path_keys(self.teacher), self.reference)
 
-    def faulty_tree(self, fault: str) -> lc.Recording:
-        _, recording = lc.teacher_run(self.args, self.teacher, spec=ddtree_spec(self.drafter), oracle=self.oracle,
-                                      fault=fault, env=GPU_ENV)
-        missing = {k for k in recording.path_keys(self.teacher) if k is not None} - self.reference.keys()
+    def faulty_trees(self, faults: list[str]) -> dict[str, lc.Recording]:
+        """The DDTree run with each fault injected (side by side on a GPU, as the main runs)."""
+        envs = [GPU_ENV] + [{**GPU_ENV, **CONCURRENT_GPU_ENV}] * (len(faults) - 1)  # one compile-cache writer
+        runs = lc.concurrently(*[
+            lambda fault=fault, env=env: lc.teacher_run(self.args, self.teacher, spec=ddtree_spec(self.drafter),
+                                                        oracle=self.oracle, fault=fault, env=env)
+            for fault, env in zip(faults, envs)
+        ])
+        recordings = dict(zip(faults, (recording for _, recording in runs)))
+        missing = {k for r in recordings.values() for k in r.path_keys(self.teacher) if k is not None}
+        missing -= self.reference.keys()
         if missing:  # (the trees and contexts are the same as the fault-free run's, so this stays empty)
             self.reference.update(lc.reference_logits(self.args, missing, env=GPU_ENV))
-        return recording
+        return recordings
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +147,20 @@ def test_ddtree_on_a_hybrid_target_is_lossless_teacher_forced(hybrid, lossless):
     assert tree.worst <= lossless.tolerance, f"tree rows off their reference (deviation, row): {worst_rows}"
 
 
-@pytest.mark.parametrize("fault", ["chain_parents", "no_relayout"])
-def test_the_lossless_check_fails_on_a_wrong_parent_state_or_a_missing_relayout(lossless, fault):
+FAULTS = ["chain_parents", "no_relayout"]
+
+
+@pytest.fixture(scope="module")
+def faulty(lossless) -> dict[str, lc.Recording]:
+    return lossless.faulty_trees(FAULTS)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_lossless_check_fails_on_a_wrong_parent_state_or_a_missing_relayout(lossless, faulty, fault):
     """The check above is not vacuous: with the GDN layers continuing each node from the node before it (vLLM's
     chain parents), or the accepted path left where the tree put it, most tree rows leave their reference by far
     more than the tolerance."""
-    report = lossless.report(lossless.faulty_tree(fault))
+    report = lossless.report(faulty[fault])
     flagged = int((report.deviations > lossless.tolerance).sum())
     print(f"\n[{fault}] {flagged}/{len(report.rows)} tree rows beyond the tolerance {lossless.tolerance:.4f}, "
           f"worst {report.worst:.3f}")

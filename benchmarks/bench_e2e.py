@@ -19,13 +19,16 @@ trained drafter gives real acceptance.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ddtree_testkit.engine_args import TEXT_ONLY_MM_LIMITS, hybrid_engine_args
@@ -73,7 +76,7 @@ def worker(args: dict) -> dict:
     async_scheduling = {"1": True, "0": False}.get(os.environ.get("BENCH_ASYNC_SCHEDULING", ""))
     if args["in_process"]:  # CPU: one process instead of three vLLM imports (the GPU keeps vLLM's default)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     started = time.perf_counter()
     llm = LLM(
@@ -102,7 +105,37 @@ def worker(args: dict) -> dict:
         limit_mm_per_prompt=TEXT_ONLY_MM_LIMITS if args.get("multimodal") else None,  # text prompts only
     )
     engine_start_s = time.perf_counter() - started  # weights, compilation, CUDA-graph capture
+    with _alone_on_the_device(args.get("side_by_side")):
+        rows = _measure(llm, args)
     engine_config = llm.llm_engine.vllm_config
+    return {"rows": rows, "async_scheduling": bool(engine_config.scheduler_config.async_scheduling),
+            "model_runner": "V2" if engine_config.use_v2_model_runner else "V1",
+            "engine_start_s": round(engine_start_s, 1)}
+
+
+@contextmanager
+def _alone_on_the_device(side_by_side: dict | None):
+    """With --concurrent-engines: wait until every engine has started (or its worker has died: the parent marks it),
+    then measure while holding a lock, so no other engine compiles, captures or generates meanwhile."""
+    if not side_by_side:
+        yield
+        return
+    sync = Path(side_by_side["dir"])
+    (sync / f"ready.{side_by_side['me']}").touch()
+    while not all((sync / f"ready.{n}").exists() or (sync / f"gone.{n}").exists() for n in side_by_side["engines"]):
+        time.sleep(0.5)
+    with (sync / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _measure(llm, args: dict) -> list[dict]:
+    """Warm-up and timed passes per batch size (and the profiled pass with --profile-dir)."""
+    from vllm import SamplingParams
+
     if args.get("prefill_tokens"):
         prompts = prefill_prompts(len(args["prompts"]), args["prefill_tokens"])
     else:
@@ -141,9 +174,7 @@ def worker(args: dict) -> dict:
             "accepted_per_position": [round(a / drafts, 4) for a in per_pos] if drafts else None,
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         })
-    return {"rows": rows, "async_scheduling": bool(engine_config.scheduler_config.async_scheduling),
-            "model_runner": "V2" if engine_config.use_v2_model_runner else "V1",
-            "engine_start_s": round(engine_start_s, 1)}
+    return rows
 
 
 def prefill_prompts(count: int, length: int) -> list[dict]:
@@ -258,8 +289,8 @@ def main() -> None:
                         "fixed 512 MiB KV cache")
     parser.add_argument("--concurrent-engines", action="store_true", help="start every configuration's engine at "
                         "once, each with a fixed KV cache (vLLM's start-up memory profiling trips over another engine "
-                        "on the GPU) and no compile cache: for the outputs of correctness runs, not for timings, "
-                        "which then overlap")
+                        "on the GPU) and no compile cache; once all have started, they measure one at a time (start-up "
+                        "times then overlap, tokens/s do not)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--profile-dir", default=None, help="after each timed pass, profile one more pass per batch "
                         "size (torch profiler, engine in-process) and write per-kernel device time there "
@@ -362,9 +393,13 @@ def main() -> None:
         base["kv_cache_memory_bytes"] = CONCURRENT_KV_CACHE_BYTES
         configs = [(name, spec, {**env, "VLLM_DISABLE_COMPILE_CACHE": "1"}) for name, spec, env in configs]
         meta["concurrent_engines"] = True
+        sync_dir = tempfile.mkdtemp(prefix="bench_e2e_sync_")
     launched = []
     for name, spec, env in configs:
+        side_by_side = {"dir": sync_dir, "me": _slug(name), "engines": [_slug(c[0]) for c in configs]} \
+            if args.concurrent_engines else None
         worker_args = {**base, "spec": spec, "config": name, "profile_dir": args.profile_dir,
+                       "side_by_side": side_by_side,
                        "capture_sizes": capture_sizes(args.capture_sizes, spec, args.batch_sizes,
                                                       on_gpu and not args.eager)}
         if args.profile_dir:  # the engine core in the worker's process, where the profiler runs
@@ -411,6 +446,13 @@ def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir
     cmd = [sys.executable, __file__, "--worker", json.dumps(worker_args)]
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
+    if side_by_side := worker_args.get("side_by_side"):  # a worker that dies must not hold the others' start
+        gone = Path(side_by_side["dir"]) / f"gone.{side_by_side['me']}"
+
+        def mark_gone() -> None:
+            proc.wait()
+            gone.touch()
+        threading.Thread(target=mark_gone, daemon=True).start()
     return {"name": name, "proc": proc, "log": log, "log_path": log_path, "timing_dir": timing_dir,
             "gdn_state_gib_per_request": gdn_state_gib_per_request}
 

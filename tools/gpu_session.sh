@@ -14,7 +14,7 @@
 #   probe  bring-up of the default path (no-spec and ddtree B=16, SmolLM2 pair, a few tokens), before long phases
 #   equality  greedy float32 (IEEE dots) equality of DDTree B=16/64/adaptive and no-spec on the default path (Model
 #          Runner V2, async scheduling, CUDA graphs), SmolLM2 + the trained drafter, 16 held-out prompts x 96
-#          tokens, batch 1 and 8 (one engine at a time: vLLM's memory profiling refuses engines started side by side)
+#          tokens, batch 1 and 8
 #   speed  bf16 tokens/s, SmolLM2 pair: no-spec, the DFlash chain and DDTree B=16/64 as vLLM runs them, batch 1
 #          and 8, outputs differing from no-spec (FlashAttention 3) counted
 #   profile  issue 19's kernel-level profile: per-kernel device time per decode step inside CUDA graphs, the chain
@@ -117,7 +117,7 @@ phase_probe() {
 phase_equality() {
   # Issue 18: the default path is lossless. Float32 with IEEE dots (Triton's float32 default is TF32), async
   # scheduling and CUDA graphs as vLLM sets them; the stale-tree check raises on any hand-over bug. The engines start
-  # side by side (--concurrent-engines: outputs only, their tok/s mean nothing); EQUALITY_ARGS adds options.
+  # side by side (--concurrent-engines); EQUALITY_ARGS adds options.
   local target drafter
   read -r target drafter < <(smollm2_pair)
   VLLM_DDTREE_CHECK_TREES=1 TRITON_F32_DEFAULT=ieee timeout "${EQUALITY_TIMEOUT:-330}" python3 benchmarks/bench_e2e.py \
@@ -130,12 +130,13 @@ phase_equality() {
 
 phase_speed() {
   # Issue 18/19: bf16 tokens/s as vLLM runs each method (the chain on Model Runner V2 with FlashAttention 3),
-  # SmolLM2 + the trained drafter, 12 held-out prompts x 128 tokens, every ratio from this one run.
+  # SmolLM2 + the trained drafter, 12 held-out prompts x 128 tokens, every ratio from this one run. The engines
+  # start side by side and then measure one at a time (--concurrent-engines; SIDE_BY_SIDE="" starts them in turn).
   local target drafter
   read -r target drafter < <(smollm2_pair)
   timeout "${SPEED_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
     --prompt-set heldout --num-prompts 12 --budgets ${SPEED_BUDGETS:-16 64} --batch-sizes ${SPEED_BATCHES:-1 8} \
-    --max-tokens 128 ${SPEED_ARGS:-} --configs "${SPEED_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" \
+    --max-tokens 128 ${SIDE_BY_SIDE---concurrent-engines} ${SPEED_ARGS:-} --configs "${SPEED_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" \
     --out "$RESULTS/speed_bf16.json" > "$RESULTS/speed.log" 2>&1
   tail -16 "$RESULTS/speed.log"
 }
@@ -147,7 +148,7 @@ phase_profile() {
   # Attention micro-benchmarks first: our tree kernel against FlashAttention 3 at verify shapes.
   # attention_fa3_split is what FLASH_ATTN runs for a verify batch: FA3 over the prefix, the tree kernel over the block.
   # PROFILE_CONTEXTS="" skips them; PROFILE_ARGS adds bench_e2e options (e.g. --step-timing: the same engines then
-  # also give the tax, from their timed passes).
+  # also give the tax, from their timed passes). A run's engines start side by side, then measure one at a time.
   local run configs budgets batches context
   for context in ${PROFILE_CONTEXTS-0 1024 4096}; do
     timeout 120 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_split \
@@ -159,7 +160,8 @@ phase_profile() {
     IFS='|' read -r configs budgets batches <<< "$run"
     timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
       --budgets ${budgets//_/ } --batch-sizes ${batches//_/ } --max-tokens ${PROFILE_TOKENS:-48} \
-      --num-prompts ${PROFILE_PROMPTS:-8} --configs "${configs//_/ }" --profile-dir "$RESULTS/profile" ${PROFILE_ARGS:-} \
+      --num-prompts ${PROFILE_PROMPTS:-8} --configs "${configs//_/ }" --profile-dir "$RESULTS/profile" \
+      ${SIDE_BY_SIDE---concurrent-engines} ${PROFILE_ARGS:-} \
       --out "$RESULTS/profile_e2e_${budgets}.json" > "$RESULTS/profile_e2e_${budgets}.log" 2>&1
     tail -8 "$RESULTS/profile_e2e_${budgets}.log"
   done

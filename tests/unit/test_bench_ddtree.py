@@ -7,6 +7,8 @@ import importlib.util
 import json
 import re
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -243,15 +245,44 @@ def test_projected_speedup_uses_the_papers_tau_over_the_step_cost():
     assert bd.projected_speedup(None) is None
 
 
-def test_bench_e2e_reads_a_workers_result_line_and_not_a_traceback_quoting_it():
-    """A TP=2 worker that died at start-up (2026-11-30) left a traceback quoting the marker's print statement, which
-    bench_e2e parsed as a result and crashed on, losing the other configurations' table."""
+def _bench_e2e():
     spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "benchmarks" / "bench_e2e.py")
     be = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(be)
+    return be
+
+
+def test_bench_e2e_reads_a_workers_result_line_and_not_a_traceback_quoting_it():
+    """A TP=2 worker that died at start-up (2026-11-30) left a traceback quoting the marker's print statement, which
+    bench_e2e parsed as a result and crashed on, losing the other configurations' table."""
+    be = _bench_e2e()
     traceback = '  File "bench_e2e.py", line 190, in main\n    print("BENCH_RESULT " + json.dumps(worker(x)))\n'
     assert be.worker_result("INFO starting\n" + traceback) is None
     assert be.worker_result('(Worker pid=7) partial BENCH_RESULT {"rows": [1]}\nINFO shutdown\n') == {"rows": [1]}
+
+
+def test_engines_started_side_by_side_measure_one_at_a_time_once_all_have_started(tmp_path):
+    """--concurrent-engines: no engine measures while another may still compile or capture (ready, or its worker
+    gone), and two never measure at once."""
+    be = _bench_e2e()
+    events, inside = [], threading.Lock()
+
+    def engine(me):
+        with be._alone_on_the_device({"dir": str(tmp_path), "me": me, "engines": ["a", "b", "c"]}):
+            assert inside.acquire(blocking=False), "two engines measured at once"
+            events.append(me)
+            time.sleep(0.2)
+            inside.release()
+
+    threads = [threading.Thread(target=engine, args=(me,)) for me in ("a", "b")]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    assert events == []  # c has neither started nor died
+    (tmp_path / "gone.c").touch()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(events) == ["a", "b"]
 
 
 def test_resume_skips_the_runs_an_earlier_call_finished(tmp_path, monkeypatch):

@@ -56,13 +56,6 @@ def _ranks(key, key_ws, PAD: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _ranks_in_registers(key):
-    """``_ranks`` without the workspace round trip (a store and two barriers per depth): every pair of keys compared
-    at once, for a depth's few candidates."""
-    return tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1)
-
-
-@triton.jit
 def _beam_build_kernel(
     logp_ptr, ids_ptr, roots_ptr, depth_table_ptr,
     cand_logp_index_ptr, cand_parent_member_ptr, cand_depth_ptr,
@@ -72,7 +65,7 @@ def _beam_build_kernel(
     LK: tl.constexpr, DEPTH: tl.constexpr, NUM_MEMBERS: tl.constexpr, NUM_NODES: tl.constexpr,
     OUT_BUDGET: tl.constexpr, WORDS: tl.constexpr, MAX_DEPTH: tl.constexpr,
     CAND_PAD: tl.constexpr, MEMBER_PAD: tl.constexpr, NODE_PAD: tl.constexpr, WORD_PAD: tl.constexpr,
-    CAND_CHUNK: tl.constexpr, MEMBER_CHUNK: tl.constexpr, REGISTER_RANK_MAX: tl.constexpr,
+    CAND_CHUNK: tl.constexpr, MEMBER_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     logp = logp_ptr + row * LK
@@ -95,11 +88,7 @@ def _beam_build_kernel(
         parent = tl.load(cand_parent_member_ptr + cand, mask=valid, other=1) - 1
         step = tl.load(logp + tl.load(cand_logp_index_ptr + cand, mask=valid, other=0), mask=valid, other=0.0)
         score = tl.load(scores + parent, mask=valid, other=0.0) + step
-        key = tl.where(valid, _descending_key(score, offs_c), _EMPTY_KEY)
-        if CAND_PAD <= REGISTER_RANK_MAX:
-            rank = _ranks_in_registers(key)
-        else:
-            rank = _ranks(key, key_ws, CAND_PAD, CAND_CHUNK)
+        rank = _ranks(tl.where(valid, _descending_key(score, offs_c), _EMPTY_KEY), key_ws, CAND_PAD, CAND_CHUNK)
         beam = valid & (rank < tl.load(depth_table_ptr + 3 * DEPTH + d))
         tl.store(scores + base + rank, score, mask=beam)
         tl.store(cands + base + rank, cand, mask=beam)
@@ -150,9 +139,6 @@ def _beam_build_kernel(
 
 
 _CHUNK = 16  # keys compared per step of a ranking (at most the padded length: every loaded key is live)
-# A depth's candidates are ranked in registers up to this many (padded): 128 x 128 int64 comparisons at B = 32 (about
-# 110 candidates); larger depths go through the workspace in chunks, as the merge always does.
-_REGISTER_RANK_MAX = 128
 _DEPTH_TABLES: dict[tuple, torch.Tensor] = {}
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
@@ -196,5 +182,5 @@ def build_tree_triton(plan, top_logp: torch.Tensor, top_ids: torch.Tensor, out, 
         WORDS=words, MAX_DEPTH=min(depth, plan.num_nodes),
         CAND_PAD=cand_pad, MEMBER_PAD=member_pad,
         NODE_PAD=triton.next_power_of_2(out.budget + 1), WORD_PAD=triton.next_power_of_2(words),
-        CAND_CHUNK=min(_CHUNK, cand_pad), MEMBER_CHUNK=min(_CHUNK, member_pad), REGISTER_RANK_MAX=_REGISTER_RANK_MAX,
+        CAND_CHUNK=min(_CHUNK, cand_pad), MEMBER_CHUNK=min(_CHUNK, member_pad),
     )

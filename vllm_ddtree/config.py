@@ -150,11 +150,6 @@ def _refuse_non_dflash_drafter(model: str, revision: str | None) -> None:
         )
 
 
-# Set to 1 to run ddtree on a hybrid (GatedDeltaNet) target on GPU: the tree kernels are wired and tested against
-# vLLM's, but the engine's greedy equality on GPU has not been run yet (issue 9).
-HYBRID_GPU_ENV = "VLLM_DDTREE_HYBRID_GPU"
-
-
 def _check_hybrid_target(target: Any) -> None:
     """GatedDeltaNet hybrids (Qwen3-Next, Qwen3.5/3.6) verify trees through patch 0005; other state-space layers
     (Mamba, Mamba2, short convolutions) have no tree kernels."""
@@ -163,13 +158,6 @@ def _check_hybrid_target(target: Any) -> None:
         raise DDTreeConfigError(
             f"ddtree supports hybrid targets only with GatedDeltaNet layers (Qwen3-Next, Qwen3.5/3.6); "
             f"{target.model} has other recurrent layers, whose state follows a chain of tokens, not a tree: {chain}"
-        )
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() and os.environ.get(HYBRID_GPU_ENV, "0") != "1":
-        raise DDTreeConfigError(
-            "ddtree on a hybrid (GatedDeltaNet) target is verified on the CPU engine only so far; set "
-            f"{HYBRID_GPU_ENV}=1 to try it on GPU (experimental), or {chain}"
         )
 
 

@@ -108,12 +108,13 @@ def test_accepts_a_gated_delta_net_hybrid_target_on_the_cpu(tiny_hybrid_dir, tin
     assert (spec.tree_budget, spec.num_speculative_tokens) == (8, 8)  # 1 + 8 GDN state slots per request
 
 
-def test_hybrid_targets_other_than_gated_delta_net_and_on_gpu_without_opt_in_are_refused(monkeypatch):
+def test_hybrid_targets_other_than_gated_delta_net_are_refused(monkeypatch):
+    """GatedDeltaNet hybrids run on the CPU engine and on GPU (the lossless test passed on an H200 on 2026-12-02)."""
     from types import SimpleNamespace
 
     from vllm.platforms import current_platform
 
-    from vllm_ddtree.config import HYBRID_GPU_ENV, DDTreeConfigError, _check_hybrid_target
+    from vllm_ddtree.config import DDTreeConfigError, _check_hybrid_target
 
     mamba = SimpleNamespace(model="a-mamba2-hybrid", hf_text_config=SimpleNamespace())
     with pytest.raises(DDTreeConfigError, match='only with GatedDeltaNet layers.* use "method": "dflash"'):
@@ -121,11 +122,9 @@ def test_hybrid_targets_other_than_gated_delta_net_and_on_gpu_without_opt_in_are
     gdn = SimpleNamespace(model="qwen3-next", hf_text_config=SimpleNamespace(linear_num_value_heads=32))
     _check_hybrid_target(gdn)  # the CPU engine
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    monkeypatch.delenv(HYBRID_GPU_ENV, raising=False)
-    with pytest.raises(DDTreeConfigError, match=f"CPU engine only so far; set {HYBRID_GPU_ENV}=1"):
-        _check_hybrid_target(gdn)
-    monkeypatch.setenv(HYBRID_GPU_ENV, "1")
-    _check_hybrid_target(gdn)
+    _check_hybrid_target(gdn)  # a GPU
+    with pytest.raises(DDTreeConfigError, match="only with GatedDeltaNet layers"):
+        _check_hybrid_target(mamba)
 
 
 def test_refuses_a_drafter_that_is_not_dflash(tiny_llama_dir, tiny_qwen3_dir):

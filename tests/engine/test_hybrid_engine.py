@@ -29,8 +29,6 @@ MAX_TOKENS = 24
 BUDGET = 8
 ORACLE_SEED = 1
 TEACHER_SEED = 2
-# DDTree's GPU path on hybrids is opt-in (config.HYBRID_GPU_ENV); the CPU engine needs nothing.
-GPU_ENV = {"VLLM_DDTREE_HYBRID_GPU": "1"} if torch.cuda.is_available() else {}
 CONCURRENT_GPU_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1"} if torch.cuda.is_available() else {}
 
 
@@ -83,7 +81,7 @@ class LosslessRuns:
 
     def faulty_trees(self, faults: list[str]) -> dict[str, lc.Recording]:
         """The DDTree run with each fault injected (side by side on a GPU, as the main runs)."""
-        envs = [GPU_ENV] + [{**GPU_ENV, **CONCURRENT_GPU_ENV}] * (len(faults) - 1)  # one compile-cache writer
+        envs = [{}] + [CONCURRENT_GPU_ENV] * (len(faults) - 1)  # one compile-cache writer
         runs = lc.concurrently(*[
             lambda fault=fault, env=env: lc.teacher_run(self.args, self.teacher, spec=ddtree_spec(self.drafter),
                                                         oracle=self.oracle, fault=fault, env=env)
@@ -93,7 +91,7 @@ class LosslessRuns:
         missing = {k for r in recordings.values() for k in r.path_keys(self.teacher) if k is not None}
         missing -= self.reference.keys()
         if missing:  # (the trees and contexts are the same as the fault-free run's, so this stays empty)
-            self.reference.update(lc.reference_logits(self.args, missing, env=GPU_ENV))
+            self.reference.update(lc.reference_logits(self.args, missing))
         return recordings
 
 
@@ -107,11 +105,11 @@ def lossless(hybrid) -> LosslessRuns:
     chain_spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": BUDGET - 1}
     # Side by side on a GPU, the chain without vLLM's compile cache (two processes would write the same entries).
     (tree_result, tree), (_, chain) = lc.concurrently(
-        lambda: lc.teacher_run(args, teacher, spec=ddtree_spec(drafter), oracle=oracle, env=GPU_ENV),
+        lambda: lc.teacher_run(args, teacher, spec=ddtree_spec(drafter), oracle=oracle),
         lambda: lc.teacher_run(args, teacher, spec=chain_spec, env=CONCURRENT_GPU_ENV),
     )
     keys = {k for rec in (tree, chain) for k in rec.path_keys(teacher) if k is not None}
-    reference = lc.reference_logits(args, keys, env=GPU_ENV)
+    reference = lc.reference_logits(args, keys)
     return LosslessRuns(args, teacher, oracle, drafter, tree_result, tree, chain, reference)
 
 

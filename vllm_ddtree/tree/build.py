@@ -69,9 +69,10 @@ def per_depth_topk(draft_logits: torch.Tensor, k: int, use_triton: bool | None =
 
 # The two-launch top-k takes k maxima one after another in every chunk of the vocabulary, so its work grows with
 # rows x k, where torch.topk's radix select hardly feels k; its launches are two where torch's path takes about
-# twenty. Estimated, not yet timed (bench_tree_core.py build_topk against build_topk_triton): it should win while
-# rows x k is small (batch 1 to about 16 at B = 16 with 15 depths).
-TRITON_TOPK_MAX_ROWS_X_K = 4096
+# twenty. On an H200 (Qwen3-8B's vocabulary, 15 depths, bf16, inside the engine's CUDA graphs, 2026-12-02 profile,
+# device us per step against torch's path in the run before): 39 against 55 at 15 x 16 = 240 (batch 1, B = 16),
+# 211 against 220 at 1920 (batch 8, B = 16), 301 against about 50 at 960 (batch 1, B = 64: k = 64).
+TRITON_TOPK_MAX_ROWS_X_K = 256
 
 
 def triton_topk(draft_logits: torch.Tensor, k: int) -> bool:

@@ -696,6 +696,38 @@ def test_generate_draft_builds_trees_rooted_at_the_anchors():
     assert torch.equal(fake.draft_tokens[:num_reqs], want.token_ids[:, 1:])
 
 
+def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(monkeypatch):
+    """MRV2 calls ``propose`` positionally for a decode step and by name for a dummy run (model_runner.py): both reach
+    DFlash's ``propose`` whole; the hidden rows DFlash gets are the linearised ones; only a real step files trees."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
+
+    seen, filed = [], []
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **kw: seen.append((a, kw)) or "drafts")
+    order = torch.tensor([1, 0])
+    core = SimpleNamespace(take_step=lambda: "step", linearise=lambda step: order,
+                           timer=SimpleNamespace(mark=lambda name: None),
+                           handover=SimpleNamespace(file=lambda *a: filed.append(a)))
+    fake = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    fake.core, fake.batch_trees = core, "trees"
+    batch = SimpleNamespace(num_tokens=2, idx_mapping="slots", num_reqs=2)
+    hidden = torch.tensor([[10.0], [20.0]])
+    rest = tuple(f"arg{i}" for i in range(6))  # num_sampled .. seeds
+    assert fake.propose(batch, "meta", "slot_maps", hidden, [], *rest, mm_inputs="mm") == "drafts"
+    args, kwargs = seen.pop()
+    assert args[:3] == (batch, "meta", "slot_maps") and args[5:] == rest and args[4] == []
+    assert args[3].flatten().tolist() == [20.0, 10.0]  # the accepted path first
+    assert kwargs == {"dummy_run": False, "mm_inputs": "mm"} and filed == [("slots", "trees", 2)]
+    named = dict(zip(("num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds"),
+                     rest))
+    fake.propose(input_batch=batch, attn_metadata="meta", slot_mappings="slot_maps", last_hidden_states=hidden,
+                 aux_hidden_states=None, **named, dummy_run=True, skip_attn_for_dummy_run=True, is_profile=False)
+    args, kwargs = seen.pop()
+    assert args == (batch, "meta", "slot_maps", hidden, None) and len(filed) == 1  # a dummy run files nothing
+    assert kwargs == {**named, "dummy_run": True, "skip_attn_for_dummy_run": True, "is_profile": False}
+
+
 def test_handover_files_each_batch_row_under_its_request_slot_with_a_new_epoch():
     gen = torch.Generator().manual_seed(4)
     batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")

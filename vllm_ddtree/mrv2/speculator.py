@@ -156,25 +156,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         build_tree(logits, self.tree_budget, self.batch_trees, roots)
         self.draft_tokens[:num_reqs] = self.batch_trees.token_ids[:num_reqs, 1:]
 
-    def propose(
-        self,
-        input_batch,
-        attn_metadata,
-        slot_mappings,
-        last_hidden_states,
-        aux_hidden_states,
-        num_sampled,
-        num_rejected,
-        last_sampled,
-        next_prefill_tokens,
-        temperature,
-        seeds,
-        num_tokens_across_dp=None,
-        dummy_run: bool = False,
-        skip_attn_for_dummy_run: bool = False,
-        mm_inputs=None,
-        is_profile: bool = False,
-    ) -> torch.Tensor:
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, *args,
+                dummy_run: bool = False, **kwargs) -> torch.Tensor:
+        """DFlash's ``propose`` (the runner passes its arguments by position or by name) on the linearised step."""
         core = self.core
         step = None if dummy_run else core.take_step()
         if step is not None:
@@ -188,24 +172,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                     last_hidden_states = last_hidden_states[:num_tokens].index_select(0, order)
             core.timer.mark("linearised")
             core.timer.mark("build")
-        draft_tokens = super().propose(
-            input_batch,
-            attn_metadata,
-            slot_mappings,
-            last_hidden_states,
-            aux_hidden_states,
-            num_sampled,
-            num_rejected,
-            last_sampled,
-            next_prefill_tokens,
-            temperature,
-            seeds,
-            num_tokens_across_dp=num_tokens_across_dp,
-            dummy_run=dummy_run,
-            skip_attn_for_dummy_run=skip_attn_for_dummy_run,
-            mm_inputs=mm_inputs,
-            is_profile=is_profile,
-        )
+        draft_tokens = super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                                       aux_hidden_states, *args, dummy_run=dummy_run, **kwargs)
         if not dummy_run:  # dummy batches' slots 0..R-1 may belong to live requests
             core.handover.file(input_batch.idx_mapping, self.batch_trees, input_batch.num_reqs)
         if step is not None:

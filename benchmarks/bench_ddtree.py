@@ -176,10 +176,10 @@ def _sort_key(row: dict) -> tuple:
 
 
 def largest_graph(capture_sizes: str | None, verify_tokens: int) -> int:
-    """The largest CUDA graph (tokens) of an engine run with bench_e2e's ``--capture-sizes`` choice: "auto" raises
-    vLLM's largest size onto its grid to cover the verify step; "vllm" (and runs from before that option) keeps
-    vLLM's 512; a list captures its own sizes."""
-    if capture_sizes == "auto":
+    """The largest CUDA graph (tokens) of an engine run with bench_e2e's ``--capture-sizes`` choice (at least, for
+    "shared": the largest of every configuration's): "auto" raises vLLM's largest size onto its grid to cover the
+    verify step; "vllm" (and runs from before that option) keeps vLLM's 512; a list captures its own sizes."""
+    if capture_sizes in ("auto", "shared"):
         return max(DEFAULT_CAPTURE, capture_size_covering(verify_tokens))
     if capture_sizes in (None, "vllm"):
         return DEFAULT_CAPTURE

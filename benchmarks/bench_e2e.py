@@ -37,7 +37,7 @@ from ddtree_testkit.shapes import shaped_target_dir
 from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
 from vllm_ddtree.attention.backend import TREE_KERNEL_PREFIX_ENV
-from vllm_ddtree.config import BENCHMARK_ENV, HYBRID_GPU_ENV
+from vllm_ddtree.config import BENCHMARK_ENV
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
 
@@ -258,12 +258,15 @@ def main() -> None:
     parser.add_argument("--v1", action="store_true", help="also run every budget on the V1 model runner "
                         "(VLLM_USE_V2_MODEL_RUNNER=0) as 'ddtree B=<b> V1'; on GPU ddtree runs on Model Runner V2 "
                         "where vLLM does (dense targets)")
-    parser.add_argument("--capture-sizes", default="auto", help="CUDA-graph capture sizes: 'auto' (vLLM's list, its "
-                        "largest size raised, onto vLLM's capture grid, where a configuration's verify step, batch x "
-                        "(1 + budget) tokens, exceeds 512, as ddtree's start-up warning advises), 'vllm' (vLLM's "
-                        "default), or a comma-separated list. (An explicit short list of just the sizes each step "
-                        "needs made DDTree's batch-8 steps 40%% slower on an H200, 2026-12-01: vLLM's list is what "
-                        "users run.)")
+    parser.add_argument("--capture-sizes", default="shared", help="CUDA-graph capture sizes: 'auto' (vLLM's list, "
+                        "its largest size raised, onto vLLM's capture grid, where a configuration's verify step, "
+                        "batch x (1 + budget) tokens, exceeds 512, as ddtree's start-up warning advises), 'shared' "
+                        "(the default: every configuration gets the largest list 'auto' gives any of them, so a "
+                        "prefill batch is padded alike everywhere; vLLM's default list grows with the drafts per "
+                        "step, and a bf16 prefill padded into a graph by one engine and run eagerly by another can "
+                        "round to another first token), 'vllm' (vLLM's default), or a comma-separated list. (An "
+                        "explicit short list of just the sizes each step needs made DDTree's batch-8 steps 40%% "
+                        "slower on an H200, 2026-12-01: vLLM's list is what users run.)")
     parser.add_argument("--synthetic-acceptance-length", type=float, nargs="+", default=None, metavar="TAU",
                         help="time the speculative rows at a stated mean acceptance length τ: CHAIN [TREE] (e.g. "
                         "the paper's Qwen3-8B MATH-500 7.79 10.73; vLLM's synthetic rejection sampling, DDTree's down "
@@ -289,8 +292,9 @@ def main() -> None:
                         "fixed 512 MiB KV cache")
     parser.add_argument("--concurrent-engines", action="store_true", help="start every configuration's engine at "
                         "once, each with a fixed KV cache (vLLM's start-up memory profiling trips over another engine "
-                        "on the GPU) and no compile cache; once all have started, they measure one at a time (start-up "
-                        "times then overlap, tokens/s do not)")
+                        "on the GPU) and no compile cache; once all have started, they measure one at a time. For the "
+                        "outputs of correctness runs: on an H200 (2026-12-02) steps timed this way came out slower and "
+                        "noisier than with engines started in turn, for reasons not yet known")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--profile-dir", default=None, help="after each timed pass, profile one more pass per batch "
                         "size (torch profiler, engine in-process) and write per-kernel device time there "
@@ -377,9 +381,7 @@ def main() -> None:
         "hybrid": "linear_num_value_heads" in target_config.get("text_config", target_config),
         "multimodal": "vision_config" in target_config,
     }
-    if base["hybrid"] and on_gpu:
-        os.environ.setdefault(HYBRID_GPU_ENV, "1")  # ddtree's GPU hybrid path is experimental (issue 9)
-    elif base["hybrid"]:
+    if base["hybrid"] and not on_gpu:
         base["dtype"] = "bfloat16"  # vLLM's CPU GDN layers run in bfloat16 only
     meta = {"model": model, "drafter": drafter, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
             "vllm": "0.26.0", "max_tokens": args.max_tokens, "eager": args.eager, "warmup": args.warmup,
@@ -401,7 +403,7 @@ def main() -> None:
         worker_args = {**base, "spec": spec, "config": name, "profile_dir": args.profile_dir,
                        "side_by_side": side_by_side,
                        "capture_sizes": capture_sizes(args.capture_sizes, spec, args.batch_sizes,
-                                                      on_gpu and not args.eager)}
+                                                      on_gpu and not args.eager, [c[1] for c in configs])}
         if args.profile_dir:  # the engine core in the worker's process, where the profiler runs
             env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         timing_dir = None
@@ -421,15 +423,28 @@ def main() -> None:
         sys.exit(f"failed configurations: {', '.join(failed)}")
 
 
-def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], graphs: bool) -> dict | None:
-    """The compilation_config capture settings of one configuration (``--capture-sizes``); None keeps vLLM's."""
+def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], graphs: bool,
+                  specs: list[dict | None] = ()) -> dict | None:
+    """The compilation_config capture settings of one configuration (``--capture-sizes``); None keeps vLLM's.
+    ``specs``: every configuration's speculative config, for "shared"."""
     if not graphs or choice == "vllm":
         return None
+    if choice == "shared":
+        return {"max_cudagraph_capture_size": max(largest_capture_size(s, batch_sizes) for s in [spec, *specs])}
     if choice != "auto":
         return {"cudagraph_capture_sizes": sorted({int(x) for x in choice.split(",")})}
     largest = max(batch_sizes) * (1 + (spec["num_speculative_tokens"] if spec else 0))
     # On vLLM's grid: 520 (B=64 at batch 8) would be truncated to 512 and that step would run without graphs.
     return {"max_cudagraph_capture_size": capture_size_covering(largest)} if largest > 512 else None
+
+
+def largest_capture_size(spec: dict | None, batch_sizes: list[int]) -> int:
+    """The largest CUDA-graph size "auto" gives a configuration: vLLM's default (0.26.0
+    ``VllmConfig._set_cudagraph_sizes``: max_num_seqs x (1 + K) x 2, at most 512; bench_e2e's max_num_seqs is the
+    largest batch), or the grid size covering its largest verify step where that exceeds 512."""
+    query_len = 1 + (spec["num_speculative_tokens"] if spec else 0)
+    largest = max(batch_sizes) * query_len
+    return capture_size_covering(largest) if largest > 512 else min(2 * largest, 512)
 
 
 def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir: str | None,

@@ -184,6 +184,21 @@ def test_largest_graph_follows_the_capture_choice():
     assert bd.largest_graph("auto", 17) == 512 and bd.largest_graph("vllm", 520) == 512
     assert bd.largest_graph(None, 520) == 512  # runs saved before bench_e2e recorded the choice
     assert bd.largest_graph("1,8,64", 17) == 64
+    assert bd.largest_graph("shared", 520) == 528
+
+
+def test_shared_capture_sizes_pad_every_configurations_prefill_alike():
+    """B=64 at batch 8 (2026-12-02, bf16): no-spec's default list ends at 16 (8 sequences x 1 x 2), the chain's at
+    256, DDTree B=64's at 528, so a 371-token prefill runs eagerly in two engines and padded to 384 in a graph in
+    the third (where one prompt's first token differed from no-spec's). "shared" gives all three 528."""
+    be = _bench_e2e()
+    chain, tree = {"num_speculative_tokens": 15}, {"num_speculative_tokens": 64}
+    assert [be.largest_capture_size(s, [1, 8]) for s in (None, chain, tree)] == [16, 256, 528]
+    every = [None, chain, tree]
+    want = {"max_cudagraph_capture_size": 528}
+    assert all(be.capture_sizes("shared", s, [1, 8], True, every) == want for s in every)
+    assert be.capture_sizes("auto", None, [1, 8], True, every) is None  # vLLM's own list
+    assert be.capture_sizes("shared", tree, [1, 8], False, every) is None  # no graphs
 
 
 def test_split_runs_combine_per_workload(tmp_path):

@@ -130,13 +130,13 @@ phase_equality() {
 
 phase_speed() {
   # Issue 18/19: bf16 tokens/s as vLLM runs each method (the chain on Model Runner V2 with FlashAttention 3),
-  # SmolLM2 + the trained drafter, 12 held-out prompts x 128 tokens, every ratio from this one run. The engines
-  # start side by side and then measure one at a time (--concurrent-engines; SIDE_BY_SIDE="" starts them in turn).
+  # SmolLM2 + the trained drafter, 12 held-out prompts x 128 tokens, every ratio from this one run. Engines start in
+  # turn; SIDE_BY_SIDE=--concurrent-engines starts them side by side (timings then not trusted: see bench_e2e).
   local target drafter
   read -r target drafter < <(smollm2_pair)
   timeout "${SPEED_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
     --prompt-set heldout --num-prompts 12 --budgets ${SPEED_BUDGETS:-16 64} --batch-sizes ${SPEED_BATCHES:-1 8} \
-    --max-tokens 128 ${SIDE_BY_SIDE---concurrent-engines} ${SPEED_ARGS:-} --configs "${SPEED_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" \
+    --max-tokens 128 ${SIDE_BY_SIDE:-} ${SPEED_ARGS:-} --configs "${SPEED_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" \
     --out "$RESULTS/speed_bf16.json" > "$RESULTS/speed.log" 2>&1
   tail -16 "$RESULTS/speed.log"
 }
@@ -148,7 +148,7 @@ phase_profile() {
   # Attention micro-benchmarks first: our tree kernel against FlashAttention 3 at verify shapes.
   # attention_fa3_split is what FLASH_ATTN runs for a verify batch: FA3 over the prefix, the tree kernel over the block.
   # PROFILE_CONTEXTS="" skips them; PROFILE_ARGS adds bench_e2e options (e.g. --step-timing: the same engines then
-  # also give the tax, from their timed passes). A run's engines start side by side, then measure one at a time.
+  # also give the tax, from their timed passes); SIDE_BY_SIDE=--concurrent-engines as in phase_speed.
   local run configs budgets batches context
   for context in ${PROFILE_CONTEXTS-0 1024 4096}; do
     timeout 120 python3 benchmarks/bench_tree_core.py --what attention,attention_fa3,attention_fa3_split \
@@ -161,7 +161,7 @@ phase_profile() {
     timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" \
       --budgets ${budgets//_/ } --batch-sizes ${batches//_/ } --max-tokens ${PROFILE_TOKENS:-48} \
       --num-prompts ${PROFILE_PROMPTS:-8} --configs "${configs//_/ }" --profile-dir "$RESULTS/profile" \
-      ${SIDE_BY_SIDE---concurrent-engines} ${PROFILE_ARGS:-} \
+      ${SIDE_BY_SIDE:-} ${PROFILE_ARGS:-} \
       --out "$RESULTS/profile_e2e_${budgets}.json" > "$RESULTS/profile_e2e_${budgets}.log" 2>&1
     tail -8 "$RESULTS/profile_e2e_${budgets}.log"
   done
@@ -387,6 +387,17 @@ if ((NGPU > 1)); then
   taskset -cp "$FG_CPUS" $$ > /dev/null
 fi
 
+# A phase cut by its timeout leaves its grandchildren running (on 2026-12-02 the hybrid test's engine runs outlived
+# the pytest that `timeout` killed and overlapped the next call's timings): every process a phase started carries
+# DDTREE_GPU_PHASE in its environment, and whatever of it is left when the phase returns is killed.
+run_phase() {
+  DDTREE_GPU_PHASE="$1" "phase_$1"
+  local left
+  left=$(grep -lsz "^DDTREE_GPU_PHASE=$1\$" /proc/[0-9]*/environ | cut -d/ -f3)
+  [[ -n $left ]] && { log "phase $1 left $(wc -w <<< "$left") process(es) running: killed"; kill -9 $left 2>/dev/null; }
+  return 0
+}
+
 # A snapshot of the results every SNAPSHOT_S seconds: a call killed by the device's time limit still returns what
 # its phases had written (the last tar below only runs when every phase has ended).
 snapshot() { tar -czf "$OUT/partial.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" 2>/dev/null \
@@ -402,10 +413,10 @@ for phase in "${@:-setup core e2e}"; do
         [[ -n ${BG_CPUS:-} ]] && taskset -cp "$BG_CPUS" $BASHPID > /dev/null
         export CUDA_VISIBLE_DEVICES=${p#*@}
         IFS=+ read -ra names <<< "${p%@*}"
-        for n in "${names[@]}"; do log "background phase $n"; "phase_$n"; done
+        for n in "${names[@]}"; do log "background phase $n"; run_phase "$n"; done
       ) > "$RESULTS/${p%@*}.phase.log" 2>&1 &
     else
-      "phase_$p"
+      run_phase "$p"
     fi
   done
 done

@@ -433,15 +433,15 @@ def capture_sizes(choice: str, spec: dict | None, batch_sizes: list[int], graphs
         return {"max_cudagraph_capture_size": max(largest_capture_size(s, batch_sizes) for s in [spec, *specs])}
     if choice != "auto":
         return {"cudagraph_capture_sizes": sorted({int(x) for x in choice.split(",")})}
-    largest = max(batch_sizes) * (1 + (spec["num_speculative_tokens"] if spec else 0))
-    # On vLLM's grid: 520 (B=64 at batch 8) would be truncated to 512 and that step would run without graphs.
-    return {"max_cudagraph_capture_size": capture_size_covering(largest)} if largest > 512 else None
+    largest = largest_capture_size(spec, batch_sizes)  # above 512 only where vLLM's list must be raised
+    return {"max_cudagraph_capture_size": largest} if largest > 512 else None
 
 
 def largest_capture_size(spec: dict | None, batch_sizes: list[int]) -> int:
     """The largest CUDA-graph size "auto" gives a configuration: vLLM's default (0.26.0
     ``VllmConfig._set_cudagraph_sizes``: max_num_seqs x (1 + K) x 2, at most 512; bench_e2e's max_num_seqs is the
-    largest batch), or the grid size covering its largest verify step where that exceeds 512."""
+    largest batch), or the grid size covering its largest verify step where that exceeds 512 (on vLLM's grid: 520,
+    B=64 at batch 8, would be truncated to 512 and that step would run without graphs)."""
     query_len = 1 + (spec["num_speculative_tokens"] if spec else 0)
     largest = max(batch_sizes) * query_len
     return capture_size_covering(largest) if largest > 512 else min(2 * largest, 512)

@@ -108,38 +108,46 @@ def _verify_build(case: Case) -> str:
     return "ok"
 
 
-def _build_step(case: Case, use_triton: bool) -> Step:
+def _build_step(case: Case, **build) -> Step:
     logits = _draft_logits(case)
     tree = TreeBatch.allocate(case.batch, case.budget, case.device)
     roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
-    return lambda: build_tree(logits, case.budget, tree, roots, use_triton=use_triton)
+    return lambda: build_tree(logits, case.budget, tree, roots, **build)
 
 
 @register("build", verify=_verify_build)
 def setup_build(case: Case) -> Step:
-    """Per-depth log_softmax + top-k over the full vocabulary, beam build, TreeBatch fill."""
+    """Per-depth log_softmax + top-k over the full vocabulary, beam build, TreeBatch fill (on CUDA its sorts are
+    Triton launches, tree/sort_triton.py)."""
     return _build_step(case, use_triton=False)
 
 
-def _verify_build_triton(case: Case) -> str:
-    """The one-launch Triton beam against the PyTorch build (the drafters' default): every field, every row."""
+def _same_trees_as_build(case: Case, **build) -> str:
+    """Every field of every row equal to the PyTorch build's (``build``, the CPU engine's path)."""
     logits = _draft_logits(case, seed=3)
     roots = torch.zeros(case.batch, dtype=torch.int64, device=case.device)
     trees = [TreeBatch.allocate(case.batch, case.budget, case.device) for _ in range(2)]
     build_tree(logits, case.budget, trees[0], roots, use_triton=False)
-    build_tree(logits, case.budget, trees[1], roots, use_triton=True)
+    build_tree(logits, case.budget, trees[1], roots, **build)
     for field in ("token_ids", "parents", "depths", "ancestor_bits", "num_nodes"):
         if not torch.equal(getattr(trees[0], field), getattr(trees[1], field)):
             return f"{field} differs from the PyTorch build's"
     return "ok"
 
 
-@register("build_triton", verify=_verify_build_triton)
+@register("build_triton", verify=lambda case: _same_trees_as_build(case, use_triton=True))
 def setup_build_triton(case: Case) -> Step:
     """``build`` with the beam and merge in one Triton launch (tree/build_triton.py) instead of about 100 kernels."""
     if not str(case.device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton build needs a GPU here (or TRITON_INTERPRET=1)")
     return _build_step(case, use_triton=True)
+
+
+@register("build_torch_sort", verify=lambda case: _same_trees_as_build(case, use_triton=False, triton_sort=False))
+def setup_build_torch_sort(case: Case) -> Step:
+    """``build`` with torch.sort for the beam's sorts (the CPU's path; radixSortKVInPlace on CUDA): the baseline of
+    tree/sort_triton.py."""
+    return _build_step(case, use_triton=False, triton_sort=False)
 
 
 def _topk_step(case: Case, topk: Callable[[torch.Tensor, int], tuple]) -> Step:

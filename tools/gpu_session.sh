@@ -174,13 +174,16 @@ phase_hostprofile() {
   # Where the host time of a decode step goes (benchmarks/host_profile.py): py-spy samples each configuration's
   # bench_e2e worker (engine core in-process) over a whole run, idle waits included; needs py-spy, carried as its
   # wheel under .gpu/m*/ (phase setup installs it into /tmp/site). HOSTPROF_CONFIGS, HOSTPROF_BATCH, SHAPE as for tax.
+  # Sampled, an engine starts far slower (2026-12-02: none of three had finished in 165 s; torch.compile's bytecode
+  # transform alone took 39-46 s, py-spy fell 1.5 s behind at 200 Hz): 100 Hz, 280 s per configuration, so one call
+  # holds two (HOSTPROF_CONFIGS), and SIGINT on the time limit, on which py-spy still writes what it sampled.
   local spy=/tmp/site/bin/py-spy name
   [[ -x $spy ]] || { echo "hostprofile: no py-spy (carry its manylinux wheel under .gpu/m*/)"; return 1; }
   mkdir -p "$RESULTS/host_profile"
-  IFS=',' read -ra names <<< "${HOSTPROF_CONFIGS:-dflash,ddtree B=16,ddtree B=64}"
+  IFS=',' read -ra names <<< "${HOSTPROF_CONFIGS:-dflash,ddtree B=16}"
   for name in "${names[@]}"; do
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout "${HOSTPROF_TIMEOUT:-170}" "$spy" record --idle --subprocesses \
-      --rate 200 --format raw --output "$RESULTS/host_profile/${name// /_}.txt" -- \
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT -k 20 "${HOSTPROF_TIMEOUT:-280}" "$spy" record --idle \
+      --subprocesses --rate 100 --format raw --output "$RESULTS/host_profile/${name// /_}.txt" -- \
       python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" --budgets 16 64 \
       --batch-sizes ${HOSTPROF_BATCH:-1} --max-tokens 64 --num-prompts 16 --configs "$name" \
       --out "$RESULTS/host_profile/${name// /_}.json" > "$RESULTS/host_profile/${name// /_}.log" 2>&1
@@ -278,7 +281,7 @@ phase_tests() {
 
 phase_core() {
   # CORE_WHAT picks the benchmarks, CORE_ARGS adds options (e.g. "--budgets 16,32,64").
-  local what=build,build_triton,build_topk,build_topk_torch,build_topk_triton,walk,walk_core,walk_triton,attention,attention_fa3,attention_fa3_split
+  local what=build,build_triton,build_torch_sort,build_topk,build_topk_torch,build_topk_triton,walk,walk_core,walk_triton,attention,attention_fa3,attention_fa3_split
   timeout "${CORE_TIMEOUT:-200}" python3 benchmarks/bench_tree_core.py --what "${CORE_WHAT:-$what,kv_compact}" \
     --graph --verify ${CORE_ARGS:-} --out "$RESULTS/bench_tree_core.json" > "$RESULTS/core.log" 2>&1
   tail -60 "$RESULTS/core.log"

@@ -57,3 +57,20 @@ def test_build_and_walk(budget: int) -> None:
     assert int(want.num_accepted.max()) >= 2
     for name in ("output_token_ids", "accepted_node_ids", "num_accepted"):
         assert torch.equal(getattr(want, name), getattr(got, name)), name
+
+
+@pytest.mark.parametrize("rows,cols,keep", [(1, 280, 64), (8, 300, 64), (8, 960, 64), (2, 1920, 128)])
+def test_beam_sort(rows: int, cols: int, keep: int) -> None:
+    """The beam's Triton sort compiled, against torch's stable descending sort on the CPU (CUDA's radix sort orders
+    -0.0 before +0.0; the CPU's compares them equal, as the kernel does)."""
+    from vllm_ddtree.tree.sort_triton import sort_desc_triton
+
+    gen = torch.Generator().manual_seed(cols)
+    scores = -torch.randint(0, 6, (rows, cols), generator=gen).float() * 0.5
+    scores[:, ::5] = -torch.rand(rows, len(range(0, cols, 5)), generator=gen) * 40
+    scores[:, 1::11] = float("-inf")
+    scores[:, 2::13] = -0.0
+    want_values, want_order = torch.sort(scores, dim=1, descending=True, stable=True)
+    got_values, got_order = sort_desc_triton(scores.cuda(), keep)
+    assert torch.equal(got_order.cpu(), want_order[:, :keep])
+    assert torch.equal(got_values.cpu().view(torch.int32), scores.gather(1, want_order[:, :keep]).view(torch.int32))

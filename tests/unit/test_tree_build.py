@@ -1,17 +1,27 @@
 """Device tree build (vllm_ddtree/tree/build.py) against the heap reference, node for node, in pop order: the PyTorch
-build (the CPU engine's) and the one-launch Triton build (CUDA's; TRITON_INTERPRET here, tests/unit/conftest.py)."""
+build (the CPU engine's), the same with its sorts in Triton (CUDA's for B > 32) and the one-launch Triton build
+(CUDA's for B <= 32; Triton through TRITON_INTERPRET here, tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_ddtree.tree.build import ancestor_bits_from_parents, build_tree, build_tree_from_topk, per_depth_topk
+from vllm_ddtree.tree.build import (
+    ancestor_bits_from_parents,
+    build_tree,
+    build_tree_from_topk,
+    per_depth_topk,
+    sort_descending,
+)
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree.reference import ancestor_sets_from_bits, brute_force_tree, heap_tree
 
 GARBAGE_ROWS = 1  # a row past the live batch, which the build must leave alone
-BUILDS = pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+BUILDS = pytest.mark.parametrize("build", [{"use_triton": False}, {"use_triton": True}], ids=["torch", "triton"])
+# The PyTorch beam with its sorts in Triton (CUDA's build for B > 32): the interpreter takes about 0.7 s per row and
+# sort, so it gets its own small cases below instead of every case above.
+TRITON_SORT = {"use_triton": False, "triton_sort": True}
 
 
 def poisoned_batch(rows: int, budget: int, seed: int) -> TreeBatch:
@@ -24,14 +34,14 @@ def poisoned_batch(rows: int, budget: int, seed: int) -> TreeBatch:
 
 
 def check_against_heap(logits: torch.Tensor, budget: int, out_budget: int | None = None, seed: int = 0,
-                       use_triton: bool = False) -> None:
+                       build: dict | None = None) -> None:
     """Build on the device path and compare every field of every live row with the heap reference."""
     rows, depth, vocab = logits.shape
     out_budget = out_budget or budget
     out = poisoned_batch(rows + GARBAGE_ROWS, out_budget, seed)
     untouched = [t[rows:].clone() for t in (out.token_ids, out.parents, out.depths, out.ancestor_bits)]
     roots = torch.randint(0, vocab, (rows,))
-    build_tree(logits, budget, out, roots, use_triton=use_triton)
+    build_tree(logits, budget, out, roots, **(build or {}))
 
     top_logp, top_ids = per_depth_topk(logits, min(budget, vocab))
     for r in range(rows):
@@ -59,32 +69,32 @@ def check_against_heap(logits: torch.Tensor, budget: int, out_budget: int | None
 @BUILDS
 @pytest.mark.parametrize("budget", [1, 2, 8, 15, 32, 64, 128])
 @pytest.mark.parametrize("vocab_vs_budget", ["vocab_below_budget", "vocab_above_budget"])
-def test_build_matches_heap_random(budget: int, vocab_vs_budget: str, use_triton: bool) -> None:
+def test_build_matches_heap_random(budget: int, vocab_vs_budget: str, build: dict) -> None:
     gen = torch.Generator().manual_seed(1000 * budget + len(vocab_vs_budget))
     vocab = max(2, budget // 3) if vocab_vs_budget == "vocab_below_budget" else 2 * budget + 37
     for depth in (1, 5, 16):
         logits = torch.randn(3, depth, vocab, generator=gen) * 2.5
-        check_against_heap(logits, budget, seed=budget + depth, use_triton=use_triton)
+        check_against_heap(logits, budget, seed=budget + depth, build=build)
 
 
 @BUILDS
 @pytest.mark.parametrize("budget", [8, 32, 128])
-def test_build_matches_heap_exact_ties(budget: int, use_triton: bool) -> None:
+def test_build_matches_heap_exact_ties(budget: int, build: dict) -> None:
     """Quantised logits (many equal log-probs, equal path scores) and one-hot rows (log-prob exactly 0)."""
     gen = torch.Generator().manual_seed(budget)
     for vocab in (3, 7, 300):
         quantised = torch.randint(-2, 3, (3, 16, vocab), generator=gen).float()
-        check_against_heap(quantised, budget, seed=vocab, use_triton=use_triton)
+        check_against_heap(quantised, budget, seed=vocab, build=build)
         one_hot = torch.full((3, 16, vocab), -1e4)
         one_hot[:, :, 1] = 0.0  # every depth certain: lp = 0, so whole chains tie with their parents
         one_hot[1, ::2] = torch.randint(0, 2, (8, vocab), generator=gen).float()  # mixed exact ties
-        check_against_heap(one_hot, budget, seed=vocab + 1, use_triton=use_triton)
+        check_against_heap(one_hot, budget, seed=vocab + 1, build=build)
         uniform = torch.zeros(2, 16, vocab)  # everything ties everywhere
-        check_against_heap(uniform, budget, seed=vocab + 2, use_triton=use_triton)
+        check_against_heap(uniform, budget, seed=vocab + 2, build=build)
 
 
 @BUILDS
-def test_build_matches_heap_float_rounding_ties(use_triton: bool) -> None:
+def test_build_matches_heap_float_rounding_ties(build: dict) -> None:
     """Scores that differ before float32 rounding but coincide after it (huge and tiny log-probs mixed).
 
     This is where a lexicographic rank-tuple tie-break would let a beam drop a prefix; ours must not.
@@ -98,7 +108,7 @@ def test_build_matches_heap_float_rounding_ties(use_triton: bool) -> None:
     top_logp = torch.sort(top_logp, dim=-1, descending=True).values
     top_ids = torch.stack([torch.randperm(1000, generator=gen)[:k] for _ in range(rows * depth)]).view(rows, depth, k)
     out = poisoned_batch(rows, budget, 3)
-    build_tree_from_topk(top_logp, top_ids, budget, out, torch.zeros(rows, dtype=torch.int64), use_triton)
+    build_tree_from_topk(top_logp, top_ids, budget, out, torch.zeros(rows, dtype=torch.int64), **build)
     for r in range(rows):
         ref = heap_tree(top_logp[r].tolist(), top_ids[r].tolist(), budget)
         assert out.token_ids[r, 1:].tolist() == ref.tokens[1:]
@@ -106,13 +116,13 @@ def test_build_matches_heap_float_rounding_ties(use_triton: bool) -> None:
 
 
 @BUILDS
-def test_budget_below_buffer_and_tiny_trees_pad(use_triton: bool) -> None:
+def test_budget_below_buffer_and_tiny_trees_pad(build: dict) -> None:
     """Budget smaller than the TreeBatch, and trees smaller than the budget (V^1 + ... + V^L < B)."""
     gen = torch.Generator().manual_seed(5)
-    check_against_heap(torch.randn(2, 4, 50, generator=gen), budget=20, out_budget=64, use_triton=use_triton)
+    check_against_heap(torch.randn(2, 4, 50, generator=gen), budget=20, out_budget=64, build=build)
     check_against_heap(torch.randn(2, 3, 2, generator=gen), budget=32, out_budget=40,  # 2 + 4 + 8 = 14 nodes
-                       use_triton=use_triton)
-    check_against_heap(torch.randn(2, 16, 1, generator=gen), budget=32, use_triton=use_triton)  # a chain of 16
+                       build=build)
+    check_against_heap(torch.randn(2, 16, 1, generator=gen), budget=32, build=build)  # a chain of 16
 
 
 def path_scores(tree: TreeBatch, logits: torch.Tensor, rows: int, n: int) -> list[list[float]]:
@@ -151,13 +161,13 @@ def test_first_b_nodes_are_the_tree_of_budget_b(quantised: bool) -> None:
 
 
 @BUILDS
-def test_low_precision_logits_and_determinism(use_triton: bool) -> None:
+def test_low_precision_logits_and_determinism(build: dict) -> None:
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(4, 15, 500, generator=gen) * 3).to(torch.bfloat16)
-    check_against_heap(logits, 64, use_triton=use_triton)
+    check_against_heap(logits, 64, build=build)
     first, second = poisoned_batch(4, 64, 1), poisoned_batch(4, 64, 2)
-    build_tree(logits, 64, first, torch.zeros(4, dtype=torch.int64), use_triton=use_triton)
-    build_tree(logits, 64, second, torch.zeros(4, dtype=torch.int64), use_triton=use_triton)
+    build_tree(logits, 64, first, torch.zeros(4, dtype=torch.int64), **build)
+    build_tree(logits, 64, second, torch.zeros(4, dtype=torch.int64), **build)
     for a, b in zip((first.token_ids, first.parents, first.ancestor_bits), (second.token_ids, second.parents,
                                                                            second.ancestor_bits)):
         assert torch.equal(a, b)
@@ -229,6 +239,33 @@ def test_row_logsumexp_kernel_equals_torch(dtype: torch.dtype) -> None:
         got = row_logsumexp(logits, use_triton=True)
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("rows,cols,keep", [(3, 280, 64), (1, 960, 64), (4, 17, 17), (1, 1, 1)])
+def test_triton_sort_equals_torch_stable_sort(rows: int, cols: int, keep: int) -> None:
+    """The beam's sort (sort_triton.py) against torch's stable descending sort: ties (a few distinct values), -inf,
+    -0.0 beside +0.0, huge and tiny magnitudes; values bit for bit, ties in column order."""
+    gen = torch.Generator().manual_seed(cols)
+    scores = -torch.randint(0, 6, (rows, cols), generator=gen).float() * 0.5
+    scores[:, ::7] = -torch.rand(rows, len(range(0, cols, 7)), generator=gen) * 2.0 ** torch.randint(
+        -30, 30, (rows, len(range(0, cols, 7))), generator=gen).float()
+    scores[:, 1::11] = float("-inf")
+    scores[:, 2::13] = -0.0
+    want_values, want_order = sort_descending(scores, keep, use_triton=False)
+    got_values, got_order = sort_descending(scores, keep, use_triton=True)
+    assert torch.equal(got_order, want_order)
+    assert torch.equal(got_values.view(torch.int32), scores.gather(1, want_order).view(torch.int32))
+    assert torch.equal(got_values, want_values)
+
+
+def test_build_with_triton_sort_matches_heap() -> None:
+    """The PyTorch beam with its sorts in Triton: random logits, exact ties (a few distinct logit values: ties
+    inside a depth and across depths), and a chain of 16 nodes, at B = 64 (where CUDA takes this path)."""
+    gen = torch.Generator().manual_seed(21)
+    check_against_heap(torch.randn(2, 4, 300, generator=gen), 64, seed=1, build=TRITON_SORT)
+    quantised = torch.randint(0, 3, (2, 3, 200), generator=gen).float()
+    check_against_heap(quantised, 64, seed=2, build=TRITON_SORT)
+    check_against_heap(torch.randn(1, 16, 1, generator=gen), 64, seed=3, build=TRITON_SORT)
 
 
 def test_heap_reference_equals_brute_force() -> None:

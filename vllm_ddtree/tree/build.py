@@ -197,6 +197,17 @@ def ancestor_bits_from_parents(parents: torch.Tensor, max_depth: int) -> torch.T
 TRITON_BEAM_MAX_BUDGET = 32
 
 
+def sort_descending(scores: torch.Tensor, keep: int, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``keep`` columns of ``torch.sort(scores, dim=1, descending=True, stable=True)``: the order ties
+    keep is the layout's, which the total order needs (module docstring)."""
+    if use_triton:
+        from vllm_ddtree.tree.sort_triton import sort_desc_triton
+
+        return sort_desc_triton(scores, keep)
+    values, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    return values[:, :keep], order[:, :keep]
+
+
 def triton_beam(budget: int, device: torch.device) -> bool:
     """Whether the default build of ``budget`` nodes on ``device`` runs the one-launch Triton beam."""
     return torch.device(device).type == "cuda" and budget <= TRITON_BEAM_MAX_BUDGET
@@ -204,7 +215,7 @@ def triton_beam(budget: int, device: torch.device) -> bool:
 
 def build_tree(
     draft_logits: torch.Tensor, budget: int, out: TreeBatch, root_token_ids: torch.Tensor,
-    use_triton: bool | None = None,
+    use_triton: bool | None = None, triton_sort: bool | None = None,
 ) -> None:
     """Fill ``out[:R]`` with the DDTree of each row of draft logits [R, L, V] under a budget of B nodes.
 
@@ -212,11 +223,12 @@ def build_tree(
     No host synchronisation; after the first call for a given (B, K, L, device) everything is graph-capturable.
     ``use_triton`` runs the beam and merge as one launch (build_triton.py), the same trees bit for bit. By default
     CUDA builds of at most ``TRITON_BEAM_MAX_BUDGET`` nodes take it and the rest the PyTorch beam (``triton_beam``);
-    the CPU engine always the PyTorch one (Triton there is the interpreter).
+    the CPU engine always the PyTorch one (Triton there is the interpreter). ``triton_sort``: the PyTorch beam's
+    sorts in one Triton launch each (sort_triton.py; by default on CUDA), the same order as ``torch.sort``'s.
     """
     k = min(budget, draft_logits.shape[-1])
     top_logp, top_ids = per_depth_topk(draft_logits, k)
-    build_tree_from_topk(top_logp, top_ids, budget, out, root_token_ids, use_triton)
+    build_tree_from_topk(top_logp, top_ids, budget, out, root_token_ids, use_triton, triton_sort)
 
 
 def build_tree_from_topk(
@@ -226,6 +238,7 @@ def build_tree_from_topk(
     out: TreeBatch,
     root_token_ids: torch.Tensor,
     use_triton: bool | None = None,
+    triton_sort: bool | None = None,
 ) -> None:
     """``build_tree`` from per-depth top-k [R, L, K] (float32 log-probs sorted descending, token ids)."""
     rows, depth, k = top_logp.shape
@@ -240,6 +253,8 @@ def build_tree_from_topk(
         build_tree_triton(plan, top_logp, top_ids, out, root_token_ids)
         return
 
+    if triton_sort is None:
+        triton_sort = top_logp.device.type == "cuda"
     # Per-depth beams, each sorted by the total order: scores, and which candidate each member is.
     flat_logp = top_logp.reshape(rows, depth * k)
     cand_logp = flat_logp.index_select(1, plan.cand_logp_index)  # every candidate's own log-prob, all depths
@@ -249,16 +264,14 @@ def build_tree_from_topk(
         start = plan.cand_starts[d]
         step_logp = cand_logp[:, start : start + plan.cand_parent_pos[d - 1].numel()]
         cand_scores = beam_scores.index_select(1, plan.cand_parent_pos[d - 1]).add_(step_logp)
-        cand_scores, order = torch.sort(cand_scores, dim=1, descending=True, stable=True)
-        beam_scores = cand_scores[:, : plan.beam_sizes[d]]
+        beam_scores, order = sort_descending(cand_scores, plan.beam_sizes[d], triton_sort)
         scores.append(beam_scores)
-        orders.append(order[:, : plan.beam_sizes[d]])
+        orders.append(order)
     member_cand = torch.cat(orders, dim=1).add_(plan.member_cand_start)  # [R, sum n_d] flat candidate index
 
     # Merge: stable sort of the (depth, beam position)-ordered members by score = the heap's pop order.
     num_nodes = plan.num_nodes
-    _, merged_order = torch.sort(torch.cat(scores, dim=1), dim=1, descending=True, stable=True)
-    selected = merged_order[:, :num_nodes]  # member index - 1, in pop order
+    _, selected = sort_descending(torch.cat(scores, dim=1), num_nodes, triton_sort)  # member index - 1, pop order
     selected_cand = torch.gather(member_cand, 1, selected)
     node_of_member = torch.zeros(rows, 1 + member_cand.shape[1], dtype=torch.int64, device=top_logp.device)
     node_of_member.scatter_(1, selected + 1, torch.arange(1, num_nodes + 1, device=top_logp.device).expand(rows, -1))

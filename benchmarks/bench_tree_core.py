@@ -159,31 +159,37 @@ def _topk_step(case: Case, topk: Callable[[torch.Tensor, int], tuple]) -> Step:
 @register("build_topk")
 def setup_build_topk(case: Case) -> Step:
     """Just the vocabulary-wide part of the build (top-k of the logits, their log-probs, tie ordering), as the
-    build runs it (build.triton_topk picks the path)."""
+    build runs it (build.topk_method picks the path)."""
     return _topk_step(case, per_depth_topk)
 
 
 @register("build_topk_torch")
 def setup_build_topk_torch(case: Case) -> Step:
     """build_topk on its PyTorch path (torch.topk, the row log-sum-exp, order_topk)."""
-    return _topk_step(case, lambda logits, k: per_depth_topk(logits, k, use_triton=False))
+    return _topk_step(case, lambda logits, k: per_depth_topk(logits, k, method="torch"))
 
 
-def _verify_build_topk_triton(case: Case) -> str:
+def _verify_topk_method(case: Case, method: str) -> str:
     """The PyTorch path's log-probs within 1e-5, its tokens where no tie straddles the k-th value."""
     logits = _draft_logits(case, seed=5)
     k = min(case.budget, case.vocab)
-    (new_logp, new_ids), (ref_logp, ref_ids) = (per_depth_topk(logits, k, use_triton=True),
-                                                per_depth_topk(logits, k, use_triton=False))
+    (new_logp, new_ids), (ref_logp, ref_ids) = (per_depth_topk(logits, k, method=method),
+                                                per_depth_topk(logits, k, method="torch"))
     if not torch.allclose(new_logp, ref_logp, rtol=0, atol=1e-5):
         return f"log-probs differ by {float((new_logp - ref_logp).abs().max()):.2e}"
     return "ok" if torch.equal(new_ids, ref_ids) else "ok (tokens differ only within ties)"
 
 
-@register("build_topk_triton", verify=_verify_build_topk_triton)
+@register("build_topk_triton", verify=lambda case: _verify_topk_method(case, "chunks"))
 def setup_build_topk_triton(case: Case) -> Step:
-    """build_topk in two Triton launches (tree/topk_triton.py), whatever the size."""
-    return _topk_step(case, lambda logits, k: per_depth_topk(logits, k, use_triton=True))
+    """build_topk in two Triton launches (tree/topk_triton.py, k maxima per chunk), whatever the size."""
+    return _topk_step(case, lambda logits, k: per_depth_topk(logits, k, method="chunks"))
+
+
+@register("build_topk_threshold", verify=lambda case: _verify_topk_method(case, "threshold"))
+def setup_build_topk_threshold(case: Case) -> Step:
+    """build_topk in four Triton launches that read the logits about once (topk_triton.py's threshold top-k)."""
+    return _topk_step(case, lambda logits, k: per_depth_topk(logits, k, method="threshold"))
 
 
 def _topk_of_log_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +202,7 @@ def _verify_build_topk_log_softmax(case: Case) -> str:
     """The same ranks and tokens as build_topk, log-probs within 1e-4 (a different float32 rounding)."""
     logits = _draft_logits(case, seed=5)
     k = min(case.budget, case.vocab)
-    (new_logp, new_ids), (old_logp, old_ids) = (per_depth_topk(logits, k, use_triton=False),
+    (new_logp, new_ids), (old_logp, old_ids) = (per_depth_topk(logits, k, method="torch"),
                                                 _topk_of_log_softmax(logits, k))
     if not torch.equal(new_ids, old_ids):
         return "top-k tokens differ"

@@ -22,12 +22,13 @@ def test_topk_and_normaliser(budget: int, k: int) -> None:
         logits[0, 0, :1000] = float("-inf")
         want = torch.logsumexp(logits.float(), dim=-1)
         assert torch.allclose(row_logsumexp(logits, use_triton=True), want, rtol=0, atol=1e-4)
-        values, ids = per_depth_topk(logits, k, use_triton=True)
-        ref_values, ref_ids = per_depth_topk(logits, k, use_triton=False)
-        assert torch.allclose(values, ref_values, rtol=0, atol=1e-4)
+        ref_values, ref_ids = per_depth_topk(logits, k, method="torch")
         kth = ref_values[..., -1:]
         clear = ~((ref_values == kth).sum(-1) > 1)  # no tie at the k-th value: the same tokens, in the same order
-        assert torch.equal(ids[clear], ref_ids[clear])
+        for method in ("chunks", "threshold"):
+            values, ids = per_depth_topk(logits, k, method=method)
+            assert torch.allclose(values, ref_values, rtol=0, atol=1e-4), method
+            assert torch.equal(ids[clear], ref_ids[clear]), method
 
 
 @pytest.mark.parametrize("budget", [16, 32, 64])

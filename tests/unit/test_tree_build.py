@@ -4,6 +4,8 @@ build (the CPU engine's), the same with its sorts in Triton (CUDA's for B > 32) 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -188,19 +190,25 @@ def test_per_depth_topk(dtype: torch.dtype) -> None:
     assert (left_out.amax(-1) <= torch.gather(logits.float(), -1, ids[..., -1:]).squeeze(-1)).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab,k", [(40, 16), (5000, 16), (9000, 32), (300, 64)])
-def test_triton_topk_equals_the_torch_topk(dtype: torch.dtype, vocab: int, k: int) -> None:
-    """The two-launch top-k (topk_triton.py, interpreted here) gives per_depth_topk's log-probs position by
-    position and its tokens wherever no tie straddles the k-th value (there, the lowest ids); rows longer than a
-    chunk, a row half -inf, bf16 ties by the hundred, k above a chunk's share."""
-    from vllm_ddtree.tree.topk_triton import per_depth_topk_triton
+TRITON_TOPK_CASES = [  # (method, vocab, k)
+    *(("chunks", vocab, k) for vocab, k in [(40, 16), (5000, 16), (9000, 32), (300, 64)]),
+    # 16-token chunks, as many as k; 512-token chunks (candidates from 8 of 10); 64-token chunks, as many as k. Each
+    # case's half -inf row holds more candidates than the buffer: its k come from the whole row.
+    *(("threshold", vocab, k) for vocab, k in [(256, 16), (5000, 8), (2048, 32)]),
+]
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method,vocab,k", TRITON_TOPK_CASES)
+def test_triton_topk_equals_the_torch_topk(dtype: torch.dtype, method: str, vocab: int, k: int) -> None:
+    """The Triton top-k (topk_triton.py, interpreted here) gives per_depth_topk's log-probs position by position and
+    its tokens wherever no tie straddles the k-th value (there, the lowest ids); rows longer than a chunk, a row half
+    -inf, bf16 ties by the hundred, k above a chunk's share."""
     gen = torch.Generator().manual_seed(vocab + k)
     logits = (torch.randn(2, 3, vocab, generator=gen) * 3).to(dtype)
     logits[0, 0, : vocab // 2] = float("-inf")
-    values, ids = per_depth_topk_triton(logits, k)
-    want_values, want_ids = per_depth_topk(logits, k)
+    values, ids = per_depth_topk(logits, k, method=method)
+    want_values, want_ids = per_depth_topk(logits, k, method="torch")
     assert values.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == want_ids.shape
     assert torch.allclose(values, want_values, rtol=0, atol=1e-5)
     flat = logits.float().view(-1, vocab)
@@ -218,6 +226,21 @@ def test_triton_topk_equals_the_torch_topk(dtype: torch.dtype, vocab: int, k: in
     for r in range(flat.shape[0]):
         if ties_at_kth[r].any():
             assert ties_at_kth[r].nonzero().min() > ids.view(-1, k)[r][taken_at_kth[r]].max()
+
+
+def test_threshold_topk_past_its_buffer() -> None:
+    """More candidates than the buffer holds (a top of equal logits; a buffer smaller than k): the threshold top-k
+    takes its k from the whole row, with the same result."""
+    from vllm_ddtree.tree.topk_triton import per_depth_topk_threshold
+
+    flat = torch.zeros(1, 1, 512)  # 16 chunks of 32 for k = 16: every token of the first 15 chunks reaches the cut
+    values, ids = per_depth_topk_threshold(flat, 16)
+    assert torch.equal(ids[0, 0], torch.arange(16)) and torch.allclose(values, torch.full_like(values, -math.log(512)))
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(2, 2, 3000, generator=gen) * 3).to(torch.bfloat16)
+    want = per_depth_topk_threshold(logits, 16)
+    got = per_depth_topk_threshold(logits, 16, capacity=8)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

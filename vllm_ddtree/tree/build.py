@@ -46,7 +46,7 @@ from vllm_ddtree.tree.layout import BITS_PER_WORD, TreeBatch, num_ancestor_words
 from vllm_ddtree.tree.logsumexp import row_logsumexp
 
 
-def per_depth_topk(draft_logits: torch.Tensor, k: int, use_triton: bool | None = None,
+def per_depth_topk(draft_logits: torch.Tensor, k: int, method: str | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k float32 log-probs per depth, best first, equal values ordered by token id (deterministic ranks).
 
@@ -56,29 +56,42 @@ def per_depth_topk(draft_logits: torch.Tensor, k: int, use_triton: bool | None =
     float32 log-softmax of the whole vocabulary first. On an H200 (Qwen3-8B's vocabulary, bf16, 15 depths, CUDA
     graphs, bench_tree_core.py build_topk against build_topk_log_softmax, one call) that took this step from 146 /
     550 / 1472 / 2706 us to 134 / 321 / 753 / 1309 at batch 1 / 8 / 32 / 64. Which of several tokens tied at the
-    k-th value gets in is torch.topk's choice; the order inside the k is ours. ``use_triton`` (by default CUDA's
-    small cases, ``triton_topk``): the same in two launches (topk_triton.py; ties at the k-th: the lowest ids).
+    k-th value gets in is torch.topk's choice; the order inside the k is ours. ``method`` (one of ``TOPK_METHODS``;
+    by default ``topk_method``'s): "torch" as above, "chunks" or "threshold" the same in Triton (topk_triton.py;
+    ties at the k-th: the lowest ids).
     """
-    if use_triton if use_triton is not None else triton_topk(draft_logits, k):
+    method = method or topk_method(draft_logits, k)
+    if method == "chunks":
         from vllm_ddtree.tree.topk_triton import per_depth_topk_triton
 
         return per_depth_topk_triton(draft_logits, k)
+    if method == "threshold":
+        from vllm_ddtree.tree.topk_triton import per_depth_topk_threshold
+
+        return per_depth_topk_threshold(draft_logits, k)
+    if method != "torch":
+        raise ValueError(f"top-k method {method!r}: expected one of {TOPK_METHODS}")
     values, ids = torch.topk(draft_logits, k, dim=-1, sorted=True)
     return order_topk(values.float() - row_logsumexp(draft_logits).unsqueeze(-1), ids)
 
 
-# The two-launch top-k takes k maxima one after another in every chunk of the vocabulary, so its work grows with
-# rows x k, where torch.topk's radix select hardly feels k; its launches are two where torch's path takes about
-# twenty. On an H200 (Qwen3-8B's vocabulary, 15 depths, bf16, inside the engine's CUDA graphs, 2026-12-02 profile,
-# device us per step against torch's path in the run before): 39 against 55 at 15 x 16 = 240 (batch 1, B = 16),
-# 211 against 220 at 1920 (batch 8, B = 16), 301 against about 50 at 960 (batch 1, B = 64: k = 64).
+TOPK_METHODS = ("torch", "chunks", "threshold")
+
+# The two-launch top-k ("chunks") takes k maxima one after another in every chunk of the vocabulary, so its work
+# grows with rows x k, where torch.topk's radix select hardly feels k; its launches are two where torch's path
+# takes about twenty. On an H200 (Qwen3-8B's vocabulary, 15 depths, bf16, inside the engine's CUDA graphs,
+# 2026-12-02 profile, device us per step against torch's path in the run before): 39 against 55 at 15 x 16 = 240
+# (batch 1, B = 16), 211 against 220 at 1920 (batch 8, B = 16), 301 against about 50 at 960 (batch 1, B = 64:
+# k = 64). torch's path itself grows with rows: 280 / 750 / 1335 us at batch 8 / 32 / 64 (graphed, 2026-12-02,
+# fourth session), about 25 times the time to read the logits once; "threshold" reads them about once whatever k,
+# and waits for its first compiled timing before it becomes a default.
 TRITON_TOPK_MAX_ROWS_X_K = 256
 
 
-def triton_topk(draft_logits: torch.Tensor, k: int) -> bool:
-    """Whether ``per_depth_topk`` takes the two-launch Triton top-k by default here."""
+def topk_method(draft_logits: torch.Tensor, k: int) -> str:
+    """The ``per_depth_topk`` method by default here: "chunks" for CUDA's small rows x k, else "torch"."""
     rows = draft_logits.numel() // draft_logits.shape[-1]
-    return draft_logits.is_cuda and rows * k <= TRITON_TOPK_MAX_ROWS_X_K
+    return "chunks" if draft_logits.is_cuda and rows * k <= TRITON_TOPK_MAX_ROWS_X_K else "torch"
 
 
 def order_topk(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,9 +204,9 @@ def ancestor_bits_from_parents(parents: torch.Tensor, max_depth: int) -> torch.T
 
 # The one-launch beam's ranking compares every candidate of a depth with every other in one program per request,
 # so it wins where trees are small. Whole builds, CUDA graphs, H200, Qwen3-8B's vocabulary (bench_tree_core.py
-# build / build_triton, 2026-12-01, one call), us at batch 1 / 8 / 64: B = 16 360 / 609 / 1669 with the PyTorch
-# beam against 178 / 381 / 1370 with this one, B = 32 365 / 642 / 1680 against 203 / 390 / 1382, B = 64
-# 550 / 825 / 1860 against 823 / 1007 / 2010.
+# build / build_triton, 2026-12-02, fourth session, one lease; the PyTorch beam with its sorts in Triton), us at
+# batch 1 / 8 / 64: B = 16 151 / 429 / 1549 with the PyTorch beam against 84 / 340 / 1397 with this one, B = 32
+# 213 / 463 / 1560 against 164 / 342 / 1403, B = 64 261 / 518 / 1610 against 781 / 966 / 2029.
 TRITON_BEAM_MAX_BUDGET = 32
 
 

@@ -229,8 +229,8 @@ def test_triton_topk_equals_the_torch_topk(dtype: torch.dtype, method: str, voca
 
 
 def test_threshold_topk_past_its_buffer() -> None:
-    """More candidates than the buffer holds (a top of equal logits; a buffer smaller than k): the threshold top-k
-    takes its k from the whole row, with the same result."""
+    """More candidates than the buffer holds (a top of equal logits; a buffer of just k): the threshold top-k takes
+    its k from the whole row, with the same result."""
     from vllm_ddtree.tree.topk_triton import per_depth_topk_threshold
 
     flat = torch.zeros(1, 1, 512)  # 16 chunks of 32 for k = 16: every token of the first 15 chunks reaches the cut
@@ -239,7 +239,7 @@ def test_threshold_topk_past_its_buffer() -> None:
     gen = torch.Generator().manual_seed(4)
     logits = (torch.randn(2, 2, 3000, generator=gen) * 3).to(torch.bfloat16)
     want = per_depth_topk_threshold(logits, 16)
-    got = per_depth_topk_threshold(logits, 16, capacity=8)
+    got = per_depth_topk_threshold(logits, 16, capacity=16)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

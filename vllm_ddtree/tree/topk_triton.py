@@ -26,9 +26,9 @@ gathered (typically a few times k per row), and the top k taken from those. Its 
 2. per row: the log-sum-exp, the threshold (a ``tl.sort`` of the chunks' best keys), a zeroed candidate count;
 3. per (row, chunk): nothing where the chunk's best key is below the threshold, else its keys at or above it,
    appended to the row's candidates (an atomic count; order does not matter, keys are distinct);
-4. per row: the top k of the candidates by key, then ordered on ``logit - logsumexp`` as above. Should a row hold
-   more candidates than the buffer (thousands of equal logits at the top), the program takes its k from the
-   whole row instead: slow, exact.
+4. per row: the top k of the candidates by key (a ``tl.sort`` of the buffer), then ordered on ``logit -
+   logsumexp`` as above (a second). Should a row hold more candidates than the buffer (thousands of equal logits
+   at the top), the program takes its k from the whole row instead: slow, exact.
 """
 
 from __future__ import annotations
@@ -175,19 +175,14 @@ def _gather_kernel(x_ptr, row_stride, vocab, best_ptr, threshold_ptr, cand_ptr, 
 
 @triton.jit
 def _select_kernel(x_ptr, row_stride, vocab, cand_ptr, count_ptr, lse_ptr, values_ptr, ids_ptr, num_chunks,
-                   K: tl.constexpr, K_PAD: tl.constexpr, CAPACITY: tl.constexpr, CHUNK_SIZE: tl.constexpr):
+                   K: tl.constexpr, CAPACITY: tl.constexpr, CHUNK_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, K_PAD)
-    top = tl.full([K_PAD], _TAKEN, tl.int64)  # the k best keys, best first
+    slot = tl.arange(0, CAPACITY)
     count = tl.load(count_ptr + row)
     if count <= CAPACITY:
-        slot = tl.arange(0, CAPACITY)
         key = tl.load(cand_ptr + row * CAPACITY + slot, mask=slot < count, other=_TAKEN)
-        for j in tl.static_range(K):
-            best = tl.max(key, axis=0)
-            top = tl.where(lane == j, best, top)
-            key = tl.where(key == best, _TAKEN, key)
-    else:  # the buffer overflowed: k maxima over the whole row, each below the one before
+    else:  # the buffer overflowed: k maxima over the whole row, each below the one before, into slots 0..k-1
+        key = tl.full([CAPACITY], _TAKEN, tl.int64)
         below = tl.full([], _ABOVE_ALL, tl.int64)
         for j in tl.static_range(K):
             best = tl.full([], _TAKEN, tl.int64)
@@ -195,19 +190,17 @@ def _select_kernel(x_ptr, row_stride, vocab, cand_ptr, count_ptr, lse_ptr, value
                 token = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
                 inside = token < vocab
                 x = tl.load(x_ptr + row * row_stride + token, mask=inside, other=float("-inf")).to(tl.float32)
-                key = tl.where(inside, _key(x, token), _TAKEN)
-                best = tl.maximum(best, tl.max(tl.where(key < below, key, _TAKEN), axis=0))
-            top = tl.where(lane == j, best, top)
+                chunk_key = tl.where(inside, _key(x, token), _TAKEN)
+                best = tl.maximum(best, tl.max(tl.where(chunk_key < below, chunk_key, _TAKEN), axis=0))
+            key = tl.where(slot == j, best, key)
             below = best
-    # Keyed again on the log-prob itself (see the module docstring), then written best first.
+    # The k best keys lead; keyed again on the log-prob itself (module docstring), sorted, the first k written.
+    top = tl.sort(key, descending=True)
     lse = tl.load(lse_ptr + row)
     token = _LOW_WORD - (top & _LOW_WORD)
-    key = tl.where(lane < K, _key(_value_of(top) - lse, token), _TAKEN)
-    for j in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        tl.store(values_ptr + row * K + j, _value_of(best))
-        tl.store(ids_ptr + row * K + j, _LOW_WORD - (best & _LOW_WORD))
-        key = tl.where(key == best, _TAKEN, key)
+    ranked = tl.sort(tl.where(slot < K, _key(_value_of(top) - lse, token), _TAKEN), descending=True)
+    tl.store(values_ptr + row * K + slot, _value_of(ranked), mask=slot < K)
+    tl.store(ids_ptr + row * K + slot, _LOW_WORD - (ranked & _LOW_WORD), mask=slot < K)
 
 
 def threshold_chunk_size(vocab: int, k: int) -> int:
@@ -219,14 +212,16 @@ def threshold_chunk_size(vocab: int, k: int) -> int:
 def per_depth_topk_threshold(draft_logits: torch.Tensor, k: int, capacity: int | None = None,
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``per_depth_topk_triton``'s result in four launches whose work hardly grows with k (module docstring);
-    ``capacity`` candidates per row (a power of two; by default the larger of 128 and 4k: rows of Qwen3's vocabulary
-    of random normal logits held 17 / 35 / 82 at k = 16 / 32 / 64, median of 64). Needs
+    ``capacity`` candidates per row (a power of two, at least k; by default the larger of 128 and 4k: rows of
+    Qwen3's vocabulary of random normal logits held 17 / 35 / 82 at k = 16 / 32 / 64, median of 64). Needs
     ``threshold_chunk_size(V, k) > 0``."""
     vocab = draft_logits.shape[-1]
     chunk_size = threshold_chunk_size(vocab, k)
     if chunk_size == 0:
         raise ValueError(f"threshold top-k needs at least 16 * k tokens per row, got {vocab} for k={k}")
     capacity = capacity or max(128, triton.next_power_of_2(4 * k))
+    if capacity < k or capacity != triton.next_power_of_2(capacity):
+        raise ValueError(f"threshold top-k capacity {capacity}: a power of two of at least k={k}")
     flat = draft_logits.reshape(-1, vocab)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -248,6 +243,6 @@ def per_depth_topk_threshold(draft_logits: torch.Tensor, k: int, capacity: int |
     _gather_kernel[(rows, num_chunks)](flat, flat.stride(0), vocab, chunk_best, threshold, cands, count, num_chunks,
                                        capacity, CHUNK_SIZE=chunk_size)
     _select_kernel[(rows,)](flat, flat.stride(0), vocab, cands, count, lse, values, ids, num_chunks, K=k,
-                            K_PAD=triton.next_power_of_2(k), CAPACITY=capacity, CHUNK_SIZE=chunk_size)
+                            CAPACITY=capacity, CHUNK_SIZE=chunk_size)
     shape = draft_logits.shape[:-1] + (k,)
     return values.view(shape), ids.view(shape)

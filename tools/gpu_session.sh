@@ -281,7 +281,7 @@ phase_tests() {
 
 phase_core() {
   # CORE_WHAT picks the benchmarks, CORE_ARGS adds options (e.g. "--budgets 16,32,64").
-  local what=build,build_triton,build_torch_sort,build_topk,build_topk_torch,build_topk_triton,walk,walk_core,walk_triton,attention,attention_fa3,attention_fa3_split
+  local what=build,build_triton,build_torch_sort,build_topk,build_topk_torch,build_topk_triton,build_topk_threshold,walk,walk_core,walk_triton,attention,attention_fa3,attention_fa3_split
   timeout "${CORE_TIMEOUT:-200}" python3 benchmarks/bench_tree_core.py --what "${CORE_WHAT:-$what,kv_compact}" \
     --graph --verify ${CORE_ARGS:-} --out "$RESULTS/bench_tree_core.json" > "$RESULTS/core.log" 2>&1
   tail -60 "$RESULTS/core.log"

@@ -54,13 +54,19 @@ def combine_pieces(piece_max, piece_sum):
 
 
 @triton.jit
-def _merge_pieces_kernel(max_ptr, sum_ptr, out_ptr, num_pieces, BLOCK_PIECES: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def row_logsumexp_of_pieces(max_ptr, sum_ptr, row, num_pieces, BLOCK_PIECES: tl.constexpr):
+    """Row ``row``'s log-sum-exp from its ``num_pieces`` (max, sum) pairs, stored row-major ``[rows, num_pieces]``."""
     idx = tl.arange(0, BLOCK_PIECES)
     mask = idx < num_pieces
     piece_max = tl.load(max_ptr + row * num_pieces + idx, mask=mask, other=float("-inf"))
     piece_sum = tl.load(sum_ptr + row * num_pieces + idx, mask=mask, other=0.0)
-    tl.store(out_ptr + row, combine_pieces(piece_max, piece_sum))
+    return combine_pieces(piece_max, piece_sum)
+
+
+@triton.jit
+def _merge_pieces_kernel(max_ptr, sum_ptr, out_ptr, num_pieces, BLOCK_PIECES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(out_ptr + row, row_logsumexp_of_pieces(max_ptr, sum_ptr, row, num_pieces, BLOCK_PIECES))
 
 
 def pieces_per_row(rows: int, vocab: int, block: int) -> int:

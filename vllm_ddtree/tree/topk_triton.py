@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.tree.logsumexp_triton import combine_pieces
+from vllm_ddtree.tree.logsumexp_triton import row_logsumexp_of_pieces
 
 CHUNK = 4096  # tokens per program of the first launch
 _LOW_WORD = tl.constexpr(4294967295)  # 2^32 - 1
@@ -62,18 +62,31 @@ def _value_of(key):
 
 
 @triton.jit
+def _load_chunk(x_ptr, row, row_stride, vocab, chunk, CHUNK_SIZE: tl.constexpr):
+    """Chunk ``chunk`` of row ``row``: float32 logits (-inf past the vocabulary), token ids, lanes inside it."""
+    token = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+    inside = token < vocab
+    x = tl.load(x_ptr + row * row_stride + token, mask=inside, other=float("-inf")).to(tl.float32)
+    return x, token, inside
+
+
+@triton.jit
+def _store_normaliser_share(x, max_ptr, sum_ptr, at):
+    """A chunk's share of its row's log-sum-exp, (max, sum of exp(x - max)), stored at ``at``; a chunk of nothing
+    but -inf gives (-inf, 0)."""
+    chunk_max = tl.max(x, axis=0)
+    shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)
+    tl.store(max_ptr + at, chunk_max)
+    tl.store(sum_ptr + at, tl.sum(tl.exp(x - shift), axis=0))
+
+
+@triton.jit
 def _chunk_topk_kernel(x_ptr, row_stride, vocab, cand_ptr, max_ptr, sum_ptr, num_chunks,
                        K: tl.constexpr, CHUNK_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    token = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
-    inside = token < vocab
-    x = tl.load(x_ptr + row * row_stride + token, mask=inside, other=float("-inf")).to(tl.float32)
-    # The normaliser's share: (max, sum of exp(x - max)); a chunk of nothing but -inf gives (-inf, 0).
-    chunk_max = tl.max(x, axis=0)
-    shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)
-    tl.store(max_ptr + row * num_chunks + chunk, chunk_max)
-    tl.store(sum_ptr + row * num_chunks + chunk, tl.sum(tl.exp(x - shift), axis=0))
+    x, token, inside = _load_chunk(x_ptr, row, row_stride, vocab, chunk, CHUNK_SIZE)
+    _store_normaliser_share(x, max_ptr, sum_ptr, row * num_chunks + chunk)
     key = tl.where(inside, _key(x, token), _OUTSIDE)
     out = cand_ptr + (row * num_chunks + chunk) * K
     for j in tl.static_range(K):
@@ -86,11 +99,7 @@ def _chunk_topk_kernel(x_ptr, row_stride, vocab, cand_ptr, max_ptr, sum_ptr, num
 def _merge_topk_kernel(cand_ptr, max_ptr, sum_ptr, values_ptr, ids_ptr, num_chunks,
                        K: tl.constexpr, CHUNKS_PAD: tl.constexpr, CANDS_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.arange(0, CHUNKS_PAD)
-    has_chunk = chunk < num_chunks
-    chunk_max = tl.load(max_ptr + row * num_chunks + chunk, mask=has_chunk, other=float("-inf"))
-    chunk_sum = tl.load(sum_ptr + row * num_chunks + chunk, mask=has_chunk, other=0.0)
-    lse = combine_pieces(chunk_max, chunk_sum)
+    lse = row_logsumexp_of_pieces(max_ptr, sum_ptr, row, num_chunks, CHUNKS_PAD)
     cand = tl.arange(0, CANDS_PAD)
     key = tl.load(cand_ptr + row * num_chunks * K + cand, mask=cand < num_chunks * K, other=_TAKEN)
     # Keyed again on the log-prob itself, so that logits a rounding apart that normalise to one value tie by id.
@@ -131,13 +140,8 @@ def per_depth_topk_triton(draft_logits: torch.Tensor, k: int) -> tuple[torch.Ten
 def _chunk_best_kernel(x_ptr, row_stride, vocab, max_ptr, sum_ptr, best_ptr, num_chunks, CHUNK_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    token = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
-    inside = token < vocab
-    x = tl.load(x_ptr + row * row_stride + token, mask=inside, other=float("-inf")).to(tl.float32)
-    chunk_max = tl.max(x, axis=0)
-    shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)
-    tl.store(max_ptr + row * num_chunks + chunk, chunk_max)
-    tl.store(sum_ptr + row * num_chunks + chunk, tl.sum(tl.exp(x - shift), axis=0))
+    x, token, inside = _load_chunk(x_ptr, row, row_stride, vocab, chunk, CHUNK_SIZE)
+    _store_normaliser_share(x, max_ptr, sum_ptr, row * num_chunks + chunk)
     tl.store(best_ptr + row * num_chunks + chunk, tl.max(tl.where(inside, _key(x, token), _OUTSIDE), axis=0))
 
 
@@ -145,12 +149,9 @@ def _chunk_best_kernel(x_ptr, row_stride, vocab, max_ptr, sum_ptr, best_ptr, num
 def _threshold_kernel(max_ptr, sum_ptr, best_ptr, lse_ptr, threshold_ptr, count_ptr, num_chunks,
                       K: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    tl.store(lse_ptr + row, row_logsumexp_of_pieces(max_ptr, sum_ptr, row, num_chunks, CHUNKS_PAD))
     chunk = tl.arange(0, CHUNKS_PAD)
-    has_chunk = chunk < num_chunks
-    chunk_max = tl.load(max_ptr + row * num_chunks + chunk, mask=has_chunk, other=float("-inf"))
-    chunk_sum = tl.load(sum_ptr + row * num_chunks + chunk, mask=has_chunk, other=0.0)
-    tl.store(lse_ptr + row, combine_pieces(chunk_max, chunk_sum))
-    best = tl.load(best_ptr + row * num_chunks + chunk, mask=has_chunk, other=_TAKEN)
+    best = tl.load(best_ptr + row * num_chunks + chunk, mask=chunk < num_chunks, other=_TAKEN)
     ranked = tl.sort(best, descending=True)
     tl.store(threshold_ptr + row, tl.sum(tl.where(chunk == K - 1, ranked, 0), axis=0))
     tl.store(count_ptr + row, 0)
@@ -163,9 +164,7 @@ def _gather_kernel(x_ptr, row_stride, vocab, best_ptr, threshold_ptr, cand_ptr, 
     chunk = tl.program_id(1)
     threshold = tl.load(threshold_ptr + row)
     if tl.load(best_ptr + row * num_chunks + chunk) >= threshold:
-        token = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
-        inside = token < vocab
-        x = tl.load(x_ptr + row * row_stride + token, mask=inside, other=float("-inf")).to(tl.float32)
+        x, token, inside = _load_chunk(x_ptr, row, row_stride, vocab, chunk, CHUNK_SIZE)
         keep = inside & (_key(x, token) >= threshold)
         kept = keep.to(tl.int32)
         start = tl.atomic_add(count_ptr + row, tl.sum(kept, axis=0))
@@ -187,9 +186,7 @@ def _select_kernel(x_ptr, row_stride, vocab, cand_ptr, count_ptr, lse_ptr, value
         for j in tl.static_range(K):
             best = tl.full([], _TAKEN, tl.int64)
             for chunk in range(0, num_chunks):
-                token = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
-                inside = token < vocab
-                x = tl.load(x_ptr + row * row_stride + token, mask=inside, other=float("-inf")).to(tl.float32)
+                x, token, inside = _load_chunk(x_ptr, row, row_stride, vocab, chunk, CHUNK_SIZE)
                 chunk_key = tl.where(inside, _key(x, token), _TAKEN)
                 best = tl.maximum(best, tl.max(tl.where(chunk_key < below, chunk_key, _TAKEN), axis=0))
             key = tl.where(slot == j, best, key)

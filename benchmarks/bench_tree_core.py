@@ -60,9 +60,18 @@ def register(name: str, verify: Callable[[Case], str] | None = None):
     return wrap
 
 
+# --logits: "random" (independent N(0, 16) logits), or "clustered": the same plus a run of CLUSTER_TOKENS
+# consecutive token ids raised by CLUSTER_LIFT, as when a drafter favours one script whose tokens sit together in
+# the vocabulary; many keys then sit in few chunks (the threshold top-k's hard case).
+LOGITS = "random"
+CLUSTER_START, CLUSTER_TOKENS, CLUSTER_LIFT = 4096, 1536, 10.0
+
+
 def _draft_logits(case: Case, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator(device=case.device).manual_seed(seed)
     logits = torch.randn(case.batch, case.depth, case.vocab, generator=gen, device=case.device) * 4
+    if LOGITS == "clustered":
+        logits[..., CLUSTER_START : CLUSTER_START + CLUSTER_TOKENS] += CLUSTER_LIFT
     return logits.to(case.dtype)
 
 
@@ -551,7 +560,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    global ATTN_CTX
+    global ATTN_CTX, LOGITS
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", default="build,walk", help=f"comma list of {sorted(BENCHMARKS)} or 'all'")
@@ -561,6 +570,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--depth", type=int, default=15)
     parser.add_argument("--vocab", type=int, default=None, help="default 151936 on GPU (Qwen3), 2048 on CPU")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--logits", choices=("random", "clustered"), default="random",
+                        help="draft logits: random, or with a run of favoured consecutive tokens (see LOGITS)")
     parser.add_argument("--context", type=int, default=ATTN_CTX, help="attention benchmarks: committed prefix tokens")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
@@ -571,6 +582,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     on_gpu = args.device.startswith("cuda")
     ATTN_CTX = args.context
+    LOGITS = args.logits
     names = sorted(BENCHMARKS) if args.what == "all" else args.what.split(",")
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

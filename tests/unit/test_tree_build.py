@@ -241,6 +241,16 @@ def test_threshold_topk_past_its_buffer() -> None:
     want = per_depth_topk_threshold(logits, 16)
     got = per_depth_topk_threshold(logits, 16, capacity=16)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # Row 0: a run of 300 related ids lifted above the rest sits in 3 of 24 chunks of 128: hundreds of candidates
+    # for a buffer of 32, which the re-cuts bring down. Row 1: logits rising with the id put 15 whole chunks above
+    # the cut, and a buffer that catches the lowest of them each time is still over after the re-cuts: the whole
+    # row. Both give the PyTorch top-k.
+    logits = (torch.randn(2, 3000, generator=gen) * 3)
+    logits[0, 1000:1300] += 20
+    logits[1] = torch.linspace(-5, 5, 3000)
+    values, ids = per_depth_topk_threshold(logits, 16, capacity=32)
+    want_values, want_ids = per_depth_topk(logits, 16, method="torch")
+    assert torch.equal(ids, want_ids) and torch.allclose(values, want_values, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

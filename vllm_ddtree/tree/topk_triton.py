@@ -27,8 +27,12 @@ gathered (typically a few times k per row), and the top k taken from those. Its 
 3. per (row, chunk): nothing where the chunk's best key is below the threshold, else its keys at or above it,
    appended to the row's candidates (an atomic count; order does not matter, keys are distinct);
 4. per row: the top k of the candidates by key (a ``tl.sort`` of the buffer), then ordered on ``logit -
-   logsumexp`` as above (a second). Should a row hold more candidates than the buffer (thousands of equal logits
-   at the top), the program takes its k from the whole row instead: slow, exact.
+   logsumexp`` as above (a second). Should a row hold more candidates than the buffer (many large logits in few
+   chunks: a run of related token ids, or equal logits at the top), the program cuts again at the k-th largest key
+   the buffer caught (at least k keys of the row reach it) and gathers the row's keys at or above it once more,
+   up to ``RECUTS`` times: a round keeps about k / capacity of the candidates where the buffer caught a fair
+   sample of them, and drops at least capacity - k + 1 whatever it caught. Still over, it takes its k from the
+   whole row one maximum at a time: slow, exact.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ _TAKEN = tl.constexpr(-9223372036854775808)  # below every key: a taken or missi
 _OUTSIDE = tl.constexpr(-9223372036854775807)  # a lane past the vocabulary: below every real key, above _TAKEN
 _ABOVE_ALL = tl.constexpr(9223372036854775807)  # above every key
 THRESHOLD_CHUNK = 1024  # tokens per chunk of the threshold top-k: 149 chunks of Qwen3's vocabulary
+RECUTS = 4  # re-cuts of an overflowed candidate buffer before the whole-row fallback (module docstring)
 
 
 @triton.jit
@@ -174,13 +179,27 @@ def _gather_kernel(x_ptr, row_stride, vocab, best_ptr, threshold_ptr, cand_ptr, 
 
 @triton.jit
 def _select_kernel(x_ptr, row_stride, vocab, cand_ptr, count_ptr, lse_ptr, values_ptr, ids_ptr, num_chunks,
-                   K: tl.constexpr, CAPACITY: tl.constexpr, CHUNK_SIZE: tl.constexpr):
+                   K: tl.constexpr, CAPACITY: tl.constexpr, CHUNK_SIZE: tl.constexpr, RECUTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, CAPACITY)
     count = tl.load(count_ptr + row)
-    if count <= CAPACITY:
+    key = tl.load(cand_ptr + row * CAPACITY + slot, mask=slot < count, other=_TAKEN)
+    rounds = 0
+    while (count > CAPACITY) & (rounds < RECUTS):  # overflowed: re-cut at the buffer's k-th key (module docstring)
+        cut = tl.sum(tl.where(slot == K - 1, tl.sort(key, descending=True), 0), axis=0)
+        count = tl.zeros([], tl.int32)
+        for chunk in range(0, num_chunks):
+            x, token, inside = _load_chunk(x_ptr, row, row_stride, vocab, chunk, CHUNK_SIZE)
+            chunk_key = _key(x, token)
+            keep = inside & (chunk_key >= cut)
+            kept = keep.to(tl.int32)
+            at = count + tl.cumsum(kept, axis=0) - 1
+            tl.store(cand_ptr + row * CAPACITY + at, chunk_key, mask=keep & (at < CAPACITY))
+            count += tl.sum(kept, axis=0)
+        tl.debug_barrier()
         key = tl.load(cand_ptr + row * CAPACITY + slot, mask=slot < count, other=_TAKEN)
-    else:  # the buffer overflowed: k maxima over the whole row, each below the one before, into slots 0..k-1
+        rounds += 1
+    if count > CAPACITY:  # still over: k maxima over the whole row, each below the one before, into slots 0..k-1
         key = tl.full([CAPACITY], _TAKEN, tl.int64)
         below = tl.full([], _ABOVE_ALL, tl.int64)
         for j in tl.static_range(K):
@@ -240,6 +259,6 @@ def per_depth_topk_threshold(draft_logits: torch.Tensor, k: int, capacity: int |
     _gather_kernel[(rows, num_chunks)](flat, flat.stride(0), vocab, chunk_best, threshold, cands, count, num_chunks,
                                        capacity, CHUNK_SIZE=chunk_size)
     _select_kernel[(rows,)](flat, flat.stride(0), vocab, cands, count, lse, values, ids, num_chunks, K=k,
-                            CAPACITY=capacity, CHUNK_SIZE=chunk_size)
+                            CAPACITY=capacity, CHUNK_SIZE=chunk_size, RECUTS=RECUTS)
     shape = draft_logits.shape[:-1] + (k,)
     return values.view(shape), ids.view(shape)

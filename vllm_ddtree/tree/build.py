@@ -77,21 +77,22 @@ def per_depth_topk(draft_logits: torch.Tensor, k: int, method: str | None = None
 
 TOPK_METHODS = ("torch", "chunks", "threshold")
 
-# The two-launch top-k ("chunks") takes k maxima one after another in every chunk of the vocabulary, so its work
-# grows with rows x k, where torch.topk's radix select hardly feels k; its launches are two where torch's path
-# takes about twenty. On an H200 (Qwen3-8B's vocabulary, 15 depths, bf16, inside the engine's CUDA graphs,
-# 2026-12-02 profile, device us per step against torch's path in the run before): 39 against 55 at 15 x 16 = 240
-# (batch 1, B = 16), 211 against 220 at 1920 (batch 8, B = 16), 301 against about 50 at 960 (batch 1, B = 64:
-# k = 64). torch's path itself grows with rows: 280 / 750 / 1335 us at batch 8 / 32 / 64 (graphed, 2026-12-02,
-# fourth session), about 25 times the time to read the logits once; "threshold" reads them about once whatever k,
-# and waits for its first compiled timing before it becomes a default.
-TRITON_TOPK_MAX_ROWS_X_K = 256
+# Which top-k by default. On an H200 (Qwen3-8B's vocabulary, 15 depths, bf16, CUDA graphs, bench_tree_core.py
+# build_topk*, 2026-12-03; device us per step at batch 1 / 8 / 32 / 64 for k = 16 .. 64): torch's path 92-103 /
+# 255-275 / 694-746 / 1231-1321, whatever k; "chunks" 38-197 / 204-900 / 782-3228 / 1550-6498, growing with k;
+# "threshold" 20-23 / 54-72 / 178-254 / 344-492 on random logits. With a run of 1536 favoured consecutive ids
+# (--logits clustered: its candidate buffer overflows and is cut again) "threshold" took 197 / 255-269 / 504-577 /
+# 983-1129: twice torch's at batch 1, about torch's or less from batch 8. So "threshold" on CUDA wherever the
+# vocabulary is long enough for it (at least 16 tokens per chunk, k chunks), else torch's.
 
 
 def topk_method(draft_logits: torch.Tensor, k: int) -> str:
-    """The ``per_depth_topk`` method by default here: "chunks" for CUDA's small rows x k, else "torch"."""
-    rows = draft_logits.numel() // draft_logits.shape[-1]
-    return "chunks" if draft_logits.is_cuda and rows * k <= TRITON_TOPK_MAX_ROWS_X_K else "torch"
+    """The ``per_depth_topk`` method by default here: "threshold" on CUDA where the vocabulary allows, else "torch"."""
+    if not draft_logits.is_cuda:
+        return "torch"
+    from vllm_ddtree.tree.topk_triton import threshold_chunk_size
+
+    return "threshold" if threshold_chunk_size(draft_logits.shape[-1], k) else "torch"
 
 
 def order_topk(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

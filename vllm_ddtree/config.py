@@ -225,11 +225,6 @@ def mrv2_gaps(vllm_config: Any) -> list[str]:
         gaps.append("ddtree with data parallelism (untested on Model Runner V2)")
     if parallel.pipeline_parallel_size > 1:
         gaps.append("ddtree with pipeline parallelism")
-    if getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None):
-        # The drafter's graphs capture since mrv2/speculator.py's init_cudagraph_manager (they failed on 2026-12-01);
-        # the gap stays until an H200 has run the float32 equality with a schedule on MRV2 (gpu_session equality:
-        # that engine was still capturing the target's full graphs when the call ended).
-        gaps.append("ddtree with num_speculative_tokens_per_batch_size (adaptive budget: V1 runner until validated)")
     if getattr(vllm_config.speculative_config, "use_local_argmax_reduction", False):
         gaps.append("ddtree with use_local_argmax_reduction (the tree build needs the full draft logits)")
     from vllm.platforms import current_platform

@@ -74,6 +74,8 @@ def on_cuda(monkeypatch):
 
 def test_on_cuda_model_runner_v2_has_no_gaps(on_cuda):
     assert ddtree_config.mrv2_gaps(mrv2_vllm_config()) == []
+    schedule = {"speculative_config__num_speculative_tokens_per_batch_size": [[1, 1, 64], [2, 8, 16]]}
+    assert ddtree_config.mrv2_gaps(mrv2_vllm_config(**schedule)) == []  # the adaptive budget runs on it too
     assert ddtree_config.runs_on_mrv2(SimpleNamespace(use_v2_model_runner=True)) is True
     assert ddtree_config.runs_on_mrv2(SimpleNamespace(use_v2_model_runner=False)) is False
 
@@ -86,7 +88,6 @@ def test_on_cuda_model_runner_v2_has_no_gaps(on_cuda):
         ({"parallel_config__data_parallel_size": 2}, "data parallelism"),
         ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
         ({"speculative_config__use_local_argmax_reduction": True}, "use_local_argmax_reduction"),
-        ({"speculative_config__num_speculative_tokens_per_batch_size": [[1, 8, 16]]}, "adaptive budget"),
     ],
 )
 def test_gaps_fall_back_to_v1_and_the_start_up_line_names_them(on_cuda, change, gap):

@@ -40,6 +40,7 @@ from vllm_ddtree.attention.backend import TREE_KERNEL_PREFIX_ENV
 from vllm_ddtree.config import BENCHMARK_ENV
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
+from vllm_ddtree.hybrid.replay_layout import REPLAY_ENV
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -410,7 +411,7 @@ def main() -> None:
         if args.step_timing and spec and spec["method"] == "ddtree":
             timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
             env = {**env, step_timing.TIMING_ENV: timing_dir}
-        gdn_state = gdn_state_gib(target_config, spec, args.tensor_parallel_size) if base["hybrid"] else None
+        gdn_state = gdn_state_gib(target_config, spec, args.tensor_parallel_size, on_gpu) if base["hybrid"] else None
         launched.append(_launch(name, worker_args, env, args.out, timing_dir, gdn_state))
         if not args.concurrent_engines:
             _finish(launched.pop(), results, meta, args.out)
@@ -575,10 +576,14 @@ def _print_step_timing(name: str, reports: list[dict]) -> None:
             print(f"  {interval:26s} {v['host_ms_median']:8.3f} / {v['device_ms_median']:8.3f}  (n={v['count']})")
 
 
-def gdn_state_gib(target_config: dict, spec: dict | None, tp_size: int) -> float:
-    """GDN state vLLM reserves per request for a configuration (hybrid/memory.py: 1 + num_speculative_tokens state
-    blocks per GDN layer, each conv row widened by them; before vLLM pads mamba pages to the attention page size)."""
+def gdn_state_gib(target_config: dict, spec: dict | None, tp_size: int, on_gpu: bool) -> float:
+    """GDN state per request for a configuration (hybrid/memory.py; before vLLM pads mamba pages to the attention
+    page size): vLLM's 1 + num_speculative_tokens state blocks per GDN layer, each conv row widened by them; for
+    ddtree on GPU with the replay layout (VLLM_DDTREE_GDN_REPLAY=1) its one block plus its share of the step's stash
+    and node-state workspace."""
     shapes = memory.GDNShapes.from_config(target_config, tp_size)
+    if spec and spec["method"] == "ddtree" and on_gpu and os.environ.get(REPLAY_ENV) == "1":
+        return memory.step_bytes(shapes, spec["num_speculative_tokens"], 1, "replay") / 2**30
     return memory.persistent_bytes_per_request(shapes, spec["num_speculative_tokens"] if spec else 0) / 2**30
 
 

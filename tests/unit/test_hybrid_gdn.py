@@ -389,9 +389,7 @@ def test_hooks_compute_node_slots_once_per_kv_cache_group_and_forward():
 def test_step_relayout_moves_live_rows_only_even_when_padding_rows_name_their_blocks():
     """HybridTreeTarget replays its relayout for a padded row count; padding rows keep stale block tables, which
     may name blocks that live requests own now, and must move nothing."""
-    from types import SimpleNamespace
 
-    from vllm_ddtree.hybrid.target import HybridTreeTarget
 
     gen = torch.Generator().manual_seed(5)
     budget, depth, rows, live = 6, 4, 4, 2
@@ -402,25 +400,138 @@ def test_step_relayout_moves_live_rows_only_even_when_padding_rows_name_their_bl
     accepted = torch.full((8, depth + 1), -1, dtype=torch.int32)
     accepted[:rows, :3] = torch.tensor([[0, 2, 5], [0, 1, 3], [0, 4, 6], [0, 3, 5]], dtype=torch.int32)
     num_accepted = torch.full((8,), 2, dtype=torch.int32)
-    layers = [(0, torch.randn(slots, 8, W - 1 + budget, generator=gen), torch.randn(slots, 2, 4, 4, generator=gen), W)
-              for _ in range(2)]
+    layers = [(0, torch.randn(slots, 8, W - 1 + budget, generator=gen), torch.randn(slots, 2, 4, 4, generator=gen), W,
+               None) for _ in range(2)]
     expected = []
-    for _, conv, ssm, _ in layers:
+    for _, conv, ssm, _, _ in layers:
         conv_e, ssm_e = conv.clone(), ssm.clone()
         live_slots = table[:live, : budget + 1]
         relayout_accepted_path(conv_e, ssm_e, live_slots[:, 0], live_slots, accepted[:live], num_accepted[:live] + 1,
                                W, ssm_e, live_slots.reshape(-1), torch.arange(live + 1) * (budget + 1))
         expected.append((conv_e, ssm_e))
 
+    target = step_target(budget, table, layers, accepted, num_accepted, live)
+    target._relayout_rows(rows)  # what a graph captured for 4 rows replays with 2 live requests
+    for (_, conv, ssm, _, _), (conv_e, ssm_e) in zip(layers, expected):
+        torch.testing.assert_close(conv, conv_e, rtol=0, atol=0)
+        torch.testing.assert_close(ssm, ssm_e, rtol=0, atol=0)
+
+
+def step_target(budget, table, layers, accepted, num_accepted, live, replay=None):
+    """A HybridTreeTarget past its first relayout (layers found, the walk's buffers bound), on the CPU."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.hybrid.target import HybridTreeTarget
+
     target = HybridTreeTarget.__new__(HybridTreeTarget)
     target.verifier = SimpleNamespace(budget=budget, cuda_graphs=False)
     target.device = torch.device("cpu")
+    target.replay = replay
     target.runner = SimpleNamespace(input_batch=SimpleNamespace(
         block_table=[SimpleNamespace(get_device_tensor=lambda n: table[:n])]))
     target._layers = layers
     target._accepted, target._num_accepted = accepted, num_accepted
     target._num_live = torch.tensor(live)
-    target._relayout_rows(rows)  # what a graph captured for 4 rows replays with 2 live requests
-    for (_, conv, ssm, _), (conv_e, ssm_e) in zip(layers, expected):
-        torch.testing.assert_close(conv, conv_e, rtol=0, atol=0)
-        torch.testing.assert_close(ssm, ssm_e, rtol=0, atol=0)
+    return target
+
+
+# ---------------------------------------------------------------- (7) the replay layout: one state block per request
+
+
+def test_replay_layout_leaves_each_block_as_a_chain_verify_of_the_accepted_path_would():
+    """One verify step in the replay layout, through the hooks and the target's relayout. Batch rows 0, 2, 3, 4 verify
+    trees (spec sequences 0..3), row 1 prefills in the same step, row 5 is graph padding whose stale block table names
+    a live block. The forward writes no state block; afterwards each verified request's one block holds its accepted
+    path's last node state (bit for bit the tree kernel's) and its conv row is the persistent layout's relayout; the
+    prefill row's and the padding row's blocks are untouched."""
+    from types import SimpleNamespace
+
+    from ddtree_testkit.sync_audit import SyncAudit
+    from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
+    from vllm_ddtree.hybrid.replay_layout import ReplayStash
+    from vllm_ddtree.tree.layout import TreeBatch
+
+    gen = torch.Generator().manual_seed(13)
+    s = make_step(9)
+    n = len(s["parents"])
+    spec_rows, prefill_row, rows = [0, 2, 3, 4], 1, 6
+    masks = torch.zeros(rows - 1, dtype=torch.bool)
+    masks[spec_rows] = True
+    trees = TreeBatch.allocate(rows, SPEC, "cpu")
+    for r, ps in zip(spec_rows, s["parents"]):
+        trees.parents[r, : len(ps)] = torch.tensor(ps, dtype=torch.int32)
+    metadata = SimpleNamespace(spec_sequence_masks=masks, spec_query_start_loc=s["qsl"])
+    layer = SimpleNamespace(A_log=s["A_log"], dt_bias=s["dt_bias"], num_k_heads=H, num_v_heads=HV, tp_size=1,
+                            head_k_dim=K, head_v_dim=V)
+    stash = ReplayStash([layer], 64, 8, torch.float32, torch.device("cpu"))
+    forward = object()
+    hooks = GDNTreeHooks(trees, torch.arange(rows, dtype=torch.int32), 64, W, torch.device("cpu"),
+                         metadata_source=lambda: (forward, metadata), replay=stash)
+    blocks = s["spec_idx"][:, 0]
+    one_block = dict(s, spec_idx=blocks[:, None].expand(n, SPEC + 1).contiguous())  # vLLM's graph-path metadata
+    conv_h, ssm_h = s["conv_state"].clone(), s["ssm_state"].clone()
+    syncs: list[dict] = []
+    with SyncAudit(syncs):
+        _, o_h = run_hooks(one_block, hooks, conv_h, ssm_h)
+    assert torch.equal(ssm_h, s["ssm_state"]), "the verify forward wrote a state block"
+    o_t, states_t = tree_fused_sigmoid_gating_delta_rule_update(
+        s["A_log"], s["a"], s["b"], s["dt_bias"], s["q"][None], s["k"][None], s["v"][None], s["flat_parents"],
+        initial_state=s["ssm_state"], cu_seqlens=s["qsl"], ssm_state_indices=blocks[:, None],
+        use_qk_l2norm_in_kernel=True)  # every node's state, from the block
+    torch.testing.assert_close(o_h, o_t, rtol=0, atol=0)
+
+    acc, num = random_accepted(s, gen)
+    accepted = torch.zeros(8, SPEC + 1, dtype=torch.int32)
+    num_accepted = torch.zeros(8, dtype=torch.int32)
+    accepted[spec_rows], num_accepted[spec_rows] = acc, num - 1
+    accepted[prefill_row, :3] = torch.tensor([0, 3, 5], dtype=torch.int32)  # whatever the walk left there
+    num_accepted[prefill_row] = 2
+    free = sorted(set(range(1, s["ssm_state"].shape[0])) - set(blocks.tolist()))
+    table = torch.zeros(8, 1, dtype=torch.int32)
+    table[spec_rows, 0] = blocks
+    table[prefill_row, 0] = free[0]
+    table[5, 0] = blocks[1]  # padding row: a stale table naming a live block
+    conv_e = conv_h.clone()
+    relayout_accepted_path(conv_e, ssm_h.clone(), blocks, blocks[:, None], acc, num, W, None, None, s["qsl"])
+    target = step_target(SPEC, table, [(0, conv_h, ssm_h, W, layer)], accepted, num_accepted, rows - 1, stash)
+    with SyncAudit(syncs):
+        target._relayout_rows(rows)
+    # Both run inside CUDA graphs on a GPU: no value read, no data-dependent shape (an H200 refused to capture
+    # a boolean-mask index here on 2026-12-03).
+    assert not syncs, syncs
+    for i in range(n):
+        last = int(s["qsl"][i]) + int(acc[i, int(num[i]) - 1])
+        torch.testing.assert_close(ssm_h[int(blocks[i])], states_t[last], rtol=0, atol=0)
+    torch.testing.assert_close(conv_h, conv_e, rtol=0, atol=0)
+    untouched = [j for j in range(s["ssm_state"].shape[0]) if j not in set(blocks.tolist())]
+    torch.testing.assert_close(ssm_h[untouched], s["ssm_state"][untouched], rtol=0, atol=0)
+    assert bool((stash.row_start == -1).all()), "the stash's rows must not outlive their step"
+
+
+def test_one_state_block_keeps_vllm_shapes_and_drops_the_spec_blocks():
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from vllm_ddtree.hybrid.replay_layout import one_state_block
+
+    @dataclass(frozen=True)
+    class Spec:
+        shapes: tuple
+        num_speculative_blocks: int
+
+    layer = SimpleNamespace(get_kv_cache_spec=lambda spec_tokens: Spec(((8, 3 + spec_tokens), (2, 4, 4)), spec_tokens))
+    one_state_block(layer)
+    assert layer.get_kv_cache_spec(12) == Spec(((8, 15), (2, 4, 4)), 0)
+
+
+def test_replay_layout_is_opt_in_and_a_bad_value_names_the_fix(monkeypatch):
+    from vllm_ddtree.config import DDTreeConfigError
+    from vllm_ddtree.hybrid.replay_layout import REPLAY_ENV, replay_layout_requested
+
+    monkeypatch.delenv(REPLAY_ENV, raising=False)
+    assert not replay_layout_requested()
+    monkeypatch.setenv(REPLAY_ENV, "1")
+    assert replay_layout_requested()
+    monkeypatch.setenv(REPLAY_ENV, "yes")
+    with pytest.raises(DDTreeConfigError, match="set it to 1"):
+        replay_layout_requested()

@@ -9,11 +9,16 @@ them with each step's trees; a step without trees (``tree_rows`` all -1) gets ch
 kernels compute exactly what vLLM's do.
 
 Token parents and conv windows are computed once per forward (the first GDN layer; every layer of a step shares
-the batch) into static buffers. Node t's recurrent state goes to vLLM's spec slot column t of its sequence (the
-"persistent" layout of ``relayout``), which is where vLLM's chain kernel puts the state after token t: the
-post-walk relayout then only has to move the accepted path's columns. Those slots differ per GDN KV-cache group,
-so they are computed once per group and forward (about 8 small kernels: at 48 GDN layers in a few groups, instead
-of ~400 in every captured verify graph).
+the batch) into static buffers. Where node states go depends on the layout:
+
+- replay (``replay_layout.ReplayStash`` given; ``VLLM_DDTREE_GDN_REPLAY=1``): one state block per request, read
+  and never written; branch nodes' states go to the stash's float32 workspace, and each layer's inputs into the
+  stash, from which the relayout recomputes the accepted path.
+- persistent (vLLM's own layout, 1 + B blocks per request): node t's recurrent state goes to vLLM's spec slot column
+  t of its sequence, which is where vLLM's chain kernel puts the state after token t: the post-walk relayout then
+  only has to move the accepted path's columns. Those slots differ per GDN KV-cache group, so they are computed
+  once per group and forward (about 8 small kernels: at 48 GDN layers in a few groups, instead of ~400 in every
+  captured verify graph).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 import torch
 
+from vllm_ddtree.hybrid.replay_layout import ReplayStash
 from vllm_ddtree.hybrid.spec_parents import spec_token_parents
 from vllm_ddtree.hybrid.tree_conv import tree_causal_conv1d_update, tree_conv_window
 from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
@@ -56,9 +62,13 @@ class GDNTreeHooks:
         device: torch.device,
         metadata_source: Callable[[], tuple[Any, Any]] = forward_gdn_metadata,
         max_groups: int = 64,
+        replay: ReplayStash | None = None,
     ):
-        """``max_groups``: at most this many GDN KV-cache groups (the GDN layer count bounds it)."""
+        """``max_groups``: at most this many GDN KV-cache groups (the GDN layer count bounds it); ``replay``: the
+        replay layout's stash (None: the persistent layout)."""
         self.trees = trees
+        self.replay = replay
+        self.node_state_indices = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)  # replay layout
         self.tree_rows = tree_rows
         self.conv_width = conv_width
         self.metadata_source = metadata_source
@@ -80,6 +90,9 @@ class GDNTreeHooks:
                 metadata.spec_sequence_masks, metadata.spec_query_start_loc, self.trees.parents, self.tree_rows, parents
             )
             window.copy_(tree_conv_window(parents, query_start_loc, self.conv_width))
+            if self.replay is not None:
+                self.node_state_indices[:num_tokens].copy_(
+                    self.replay.record_step(metadata.spec_sequence_masks, metadata.spec_query_start_loc, parents))
             self._computed_for = key
         return parents, window
 
@@ -140,9 +153,20 @@ class GDNTreeHooks:
         use_qk_l2norm_in_kernel: bool = False,
         **_unused,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``fused_sigmoid_gating_delta_rule_update`` for spec tokens; node t's state goes to spec column t."""
+        """``fused_sigmoid_gating_delta_rule_update`` for spec tokens; node t's state goes to spec column t
+        (persistent layout) or, for branch nodes, to the replay stash's workspace (replay layout)."""
         num_tokens = q.shape[1]
         parents, _ = self.step_parents(num_tokens, cu_seqlens)
+        if self.replay is not None:
+            self.replay.keep(self.replay.layer(A_log), q, k, v, a, b)
+            # One block per request, named by every spec column: read column 0, never written here.
+            o, _ = tree_fused_sigmoid_gating_delta_rule_update(
+                A_log, a, b, dt_bias, q, k, v, parents,
+                initial_state=initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices[:, :1],
+                node_states=self.replay.node_states, node_state_indices=self.node_state_indices[:num_tokens],
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )
+            return o, initial_state
         node_slots = self.node_slots(num_tokens, cu_seqlens, ssm_state_indices)
         o, _ = tree_fused_sigmoid_gating_delta_rule_update(
             A_log, a, b, dt_bias, q, k, v, parents,

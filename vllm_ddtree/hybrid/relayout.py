@@ -108,9 +108,81 @@ def branch_node_indices(parents: torch.Tensor, query_start_loc: torch.Tensor) ->
     seq_start = query_start_loc[torch.searchsorted(query_start_loc[1:], tok, right=True)].long()
     par = parents.long()
     far = (par >= 0) & (par != tok - seq_start - 1)
-    need = torch.zeros(t, dtype=torch.bool, device=parents.device)
-    need[(seq_start + par.clamp(min=0))[far]] = True
-    return torch.where(need, tok, -1).to(torch.int32)
+    # Mark each far child's parent with a scatter (slot t takes the rest): no boolean-mask indexing, whose
+    # data-dependent shape a CUDA graph cannot capture.
+    need = torch.zeros(t + 1, dtype=torch.int32, device=parents.device)
+    need.scatter_(0, torch.where(far, seq_start + par.clamp(min=0), t), 1)
+    return torch.where(need[:t] > 0, tok, -1).to(torch.int32)
+
+
+@dataclass
+class ReplayPlan:
+    """The index work of a replay (``replay_plan``), shared by every GDN layer whose tokens sit in the same rows: each
+    layer then runs one kernel (``apply_replay``)."""
+
+    cu_seqlens: torch.Tensor  # [N+1] int32 the paths packed one after another
+    token_index: torch.Tensor  # [N * (L+1)] int32 the input row of each packed path position
+    parents: torch.Tensor  # [N * (L+1)] int32 chain parents (position - 1, root -1)
+    initial_slots: torch.Tensor  # [N, 1] int32 slot the path starts from (<= 0: the request is skipped)
+    final_slots: torch.Tensor  # [N * (L+1)] int32 the path's last position -> its slot, every other -1
+
+
+def replay_plan(
+    initial_slots: torch.Tensor,
+    final_slots: torch.Tensor,
+    accepted: torch.Tensor,
+    num_accepted: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> ReplayPlan:
+    """Indices to recompute each request's accepted path as a chain (device ops, static shapes, no host sync).
+
+    initial_slots ``[N]``: the slot holding the state the step started from (<= 0 skips the request, as vLLM's null
+    block); final_slots ``[N]``: where the path's last state goes; accepted ``[N, L+1]`` node ids (-1 past the
+    path); num_accepted ``[N]`` = a + 1; query_start_loc ``[>=N]``: each request's first row in the inputs.
+    """
+    n_req, width_acc = accepted.shape
+    dev = accepted.device
+    num = num_accepted.long()
+    cu = torch.zeros(n_req + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(num, 0, out=cu[1:])
+    i = torch.arange(width_acc, device=dev)[None, :]
+    valid = i < num[:, None]
+    total = n_req * width_acc  # static size: positions past cu[-1] are never read; position `total` takes the padding
+    dst = torch.where(valid, cu[:-1, None].long() + i, total).reshape(-1)
+    src = (query_start_loc[:n_req, None].long().clamp(min=0) + accepted.long().clamp(min=0)).reshape(-1)
+
+    def packed(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(total + 1, dtype=torch.int32, device=dev)
+        out.index_copy_(0, dst, values.to(torch.int32))
+        return out[:total]
+
+    chain = (i - 1).expand(n_req, -1).reshape(-1)
+    last = torch.where(i == num[:, None] - 1, final_slots.long()[:, None], -1).reshape(-1)
+    return ReplayPlan(cu, packed(src), packed(chain), initial_slots.to(torch.int32)[:, None], packed(last))
+
+
+def apply_replay(
+    plan: ReplayPlan,
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dt_bias: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ssm_state: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = True,
+) -> None:
+    """One GDN layer: its accepted paths rerun from their initial slots, the last state written to the final slot.
+
+    q, k, v ``[1, T, ...]`` and a, b ``[T, HV]``: the tree step's own inputs of this layer (post conv), read in place
+    through the plan's token index; the same float32 arithmetic as the tree kernel, so the state equals the tree's
+    node state bit for bit."""
+    tree_fused_sigmoid_gating_delta_rule_update(
+        A_log, a, b, dt_bias, q, k, v, plan.parents, initial_state=ssm_state, cu_seqlens=plan.cu_seqlens,
+        ssm_state_indices=plan.initial_slots, node_states=ssm_state, node_state_indices=plan.final_slots,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, token_index=plan.token_index,
+    )
 
 
 def replay_accepted_path(
@@ -137,31 +209,10 @@ def replay_accepted_path(
     writing the final state into slot column ``num_accepted - 1`` as vLLM expects. The tree step then needs per-node
     states only inside one layer's kernel call (one transient workspace shared by all layers) instead of all layers'
     node states until the walk. The conv columns still need ``relayout_accepted_path`` (its ssm copy is then moot).
+    Several layers: ``replay_plan`` once, ``apply_replay`` per layer.
     """
-    n_req, width_acc = accepted.shape
-    dev = accepted.device
-    num = num_accepted.long()
-    cu = torch.zeros(n_req + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(num, 0, out=cu[1:])
-    i = torch.arange(width_acc, device=dev)[None, :]
-    valid = i < num[:, None]
-    total = n_req * width_acc  # static size: rows past cu[-1] are never read; row `total` takes the padding
-    dst = torch.where(valid, cu[:-1, None].long() + i, total).reshape(-1)
-    src = (query_start_loc[:n_req, None].long() + accepted.long().clamp(min=0)).reshape(-1)
-
-    def pack(x: torch.Tensor, dim: int, values: torch.Tensor | None = None) -> torch.Tensor:
-        shape = list(x.shape)
-        shape[dim] = total + 1
-        out = x.new_zeros(shape)
-        out.index_copy_(dim, dst, x.index_select(dim, src) if values is None else values)
-        return out.narrow(dim, 0, total)
-
-    chain = (i - 1).expand(n_req, -1).reshape(-1).to(torch.int32)
-    last = torch.where(i == num[:, None] - 1, spec_state_indices[:, :width_acc].long(), -1).reshape(-1)
-    tree_fused_sigmoid_gating_delta_rule_update(
-        A_log, pack(a, 0), pack(b, 0), dt_bias, pack(q, 1), pack(k, 1), pack(v, 1), pack(chain, 0, chain),
-        initial_state=ssm_state, cu_seqlens=cu, ssm_state_indices=spec_state_indices,
-        num_accepted_tokens=prev_num_accepted, node_states=ssm_state,
-        node_state_indices=pack(last.to(torch.int32), 0, last.to(torch.int32)),
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-    )
+    idx = spec_state_indices.long()
+    initial = idx.gather(1, (prev_num_accepted.long() - 1)[:, None])[:, 0]
+    final = idx.gather(1, (num_accepted.long() - 1).clamp(min=0)[:, None])[:, 0]
+    plan = replay_plan(initial, final, accepted, num_accepted, query_start_loc)
+    apply_replay(plan, A_log, a, b, dt_bias, q, k, v, ssm_state, use_qk_l2norm_in_kernel)

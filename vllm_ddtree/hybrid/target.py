@@ -7,10 +7,13 @@ chain does for token t. After the walk, ``relayout`` moves each request's accept
 ``0..a`` in every GDN layer, so vLLM's chain bookkeeping (``num_accepted_tokens = a + 1``) reads the right state
 and window next step, unchanged.
 
-The spec slots come from the GDN layers' own KV-cache groups (vLLM reserves ``1 + num_speculative_tokens`` blocks
-per request, ``num_speculative_tokens = B``), read from the runner's block tables by batch row, so the relayout
-needs no attention metadata and runs for every row of the batch: rows without a tree accepted the root only,
-which moves nothing.
+The state layout (docs/hybrid-state-layout.md): on GPU with ``VLLM_DDTREE_GDN_REPLAY=1`` the replay layout
+(``replay_layout``): one state block per request, the accepted path's state recomputed after the walk from the
+inputs each layer stashed. Otherwise, and on the CPU engine, vLLM's own layout (``1 + num_speculative_tokens``
+blocks per request, ``num_speculative_tokens = B``; node t's state in spec column t, where vLLM's C++ chain op
+writes it). Either way the slots come from the GDN layers' own KV-cache groups, read from the runner's block tables
+by batch row, so the relayout runs for every row of the batch: rows without a tree accepted the root only, and
+rows that verified nothing (a prefill) are skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
-from vllm_ddtree.hybrid.relayout import apply_relayout, relayout_plan
+from vllm_ddtree.hybrid.relayout import apply_relayout, apply_replay, relayout_plan, replay_plan
+from vllm_ddtree.hybrid.replay_layout import ReplayStash, one_state_block, replay_layout_requested, stash_size
 from vllm_ddtree.hybrid.spec_parents import spec_token_parents
 
 
@@ -45,7 +49,9 @@ class HybridTreeTarget:
         self.verifier = verifier
         self.runner = runner
         self.device = device
-        self._layers: list[tuple[int, torch.Tensor, torch.Tensor, int]] | None = None  # (group, conv, ssm, width)
+        self.replay: ReplayStash | None = None  # the replay layout's stash (GPU)
+        # (group, conv, ssm, width, layer module) per GDN layer
+        self._layers: list[tuple[int, torch.Tensor, torch.Tensor, int, object]] | None = None
         self.install_hooks()
 
     # ------------------------------------------------------------------ the verify forward
@@ -61,11 +67,18 @@ class HybridTreeTarget:
 
         from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
 
+        config = self.runner.vllm_config
         width = _conv_width(self.runner)
-        max_tokens = self.runner.vllm_config.scheduler_config.max_num_batched_tokens
-        num_layers = self.runner.vllm_config.model_config.hf_text_config.num_hidden_layers  # bounds the GDN groups
+        max_tokens = config.scheduler_config.max_num_batched_tokens
+        num_layers = config.model_config.hf_text_config.num_hidden_layers  # bounds the GDN groups
+        if replay_layout_requested():
+            layers = [m for m in config.compilation_config.static_forward_context.values()
+                      if isinstance(m, qwen_gdn_linear_attn.QwenGatedDeltaNetAttention)]
+            for layer in layers:
+                one_state_block(layer)
+            self.replay = ReplayStash(layers, *stash_size(config), config.model_config.dtype, self.device)
         hooks = GDNTreeHooks(self.verifier.verify_trees, self.verifier.tree_rows, max_tokens, width, self.device,
-                             max_groups=num_layers)
+                             max_groups=num_layers, replay=self.replay)
         qwen_gdn_linear_attn.SPEC_CONV_UPDATE = hooks.conv_update
         qwen_gdn_linear_attn.SPEC_RECURRENT_UPDATE = hooks.recurrent_update
 
@@ -109,23 +122,47 @@ class HybridTreeTarget:
         live = torch.arange(rows, device=self.device) < self._num_live
         kept = torch.where(live, self._num_accepted[:rows] + 1, 1).to(torch.int32)
         paths = torch.where(live[:, None], self._accepted[:rows], 0)  # a never-walked row may hold -1 at its root
+        if self.replay is not None:
+            self._replay_rows(rows, live, paths, kept)
+            return
         node_starts = torch.arange(rows + 1, dtype=torch.int32, device=self.device) * (self.verifier.budget + 1)
         plans = {}  # one index plan per KV-cache group, shared by its layers
-        for group, conv, ssm, width in self._layers:
+        for group, conv, ssm, width, _ in self._layers:
             if group not in plans:
                 table = self.runner.input_batch.block_table[group].get_device_tensor(rows)
                 slots = torch.where(live[:, None], table[:, : self.verifier.budget + 1], 0).to(torch.int32)
                 plans[group] = relayout_plan(slots[:, 0], slots, paths, kept, width, slots.reshape(-1), node_starts)
             apply_relayout(conv, ssm, plans[group], ssm)
 
-    def _find_layers(self) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
+    def _replay_rows(self, rows: int, live: torch.Tensor, paths: torch.Tensor, kept: torch.Tensor) -> None:
+        """Replay layout: conv columns as in the persistent layout, then each layer's accepted path rerun from the
+        request's one block over the stash. Rows that verified no spec sequence this step (a prefill) are skipped:
+        vLLM's own kernels already left their state in the block."""
+        stash = self.replay
+        row_start = stash.row_start[:rows]
+        verified = live & (row_start >= 0)
+        plans = {}  # (conv plan, replay plan) per KV-cache group, shared by its layers
+        for group, conv, ssm, width, layer in self._layers:
+            if group not in plans:
+                table = self.runner.input_batch.block_table[group].get_device_tensor(rows)
+                blocks = torch.where(verified, table[:, 0], 0).to(torch.int32)
+                plans[group] = (relayout_plan(blocks, blocks[:, None], paths, kept, width, None, row_start),
+                                replay_plan(blocks, blocks, paths, kept, row_start))
+            conv_plan, plan = plans[group]
+            apply_relayout(conv, ssm, conv_plan, None)
+            i = stash.layer(layer.A_log)
+            apply_replay(plan, layer.A_log, stash.a[i], stash.b[i], layer.dt_bias, stash.q[i][None], stash.k[i][None],
+                         stash.v[i][None], ssm)
+        stash.row_start.fill_(-1)  # a later relayout without a verify forward in between replays nothing
+
+    def _find_layers(self) -> list[tuple[int, torch.Tensor, torch.Tensor, int, object]]:
         forward_context = self.runner.compilation_config.static_forward_context
         width = _conv_width(self.runner)  # not the weight's shape: the CPU may have packed it (AMX)
         layers = []
         for group, names in gdn_groups(self.runner.kv_cache_config.kv_cache_groups):
             for name in names:
                 layer = forward_context[name]
-                layers.append((group, conv_state_view(layer), layer.kv_cache[1], width))
+                layers.append((group, conv_state_view(layer), layer.kv_cache[1], width, layer))
         if not layers:
             raise RuntimeError("ddtree: a hybrid target without GDN state in its KV cache groups")
         return layers

@@ -21,11 +21,11 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["T"])
 def _tree_gdn_kernel(
     A_log, a, b, dt_bias, q, k, v, o, h0, hs,
-    cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices,
+    cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices, token_index,
     softplus_beta, threshold, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     stride_h0: tl.constexpr, stride_hs: tl.constexpr, stride_idx_seq: tl.constexpr,
-    IS_SPEC_DECODING: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+    IS_SPEC_DECODING: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr, HAS_TOKEN_INDEX: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -54,15 +54,19 @@ def _tree_gdn_kernel(
 
     for i_t in range(0, T):
         tok = bos + i_t
+        if HAS_TOKEN_INDEX:  # inputs gathered from other rows (the replay of an accepted path)
+            src = tl.load(token_index + tok).to(tl.int64)
+        else:
+            src = tok
         par = tl.load(parents + tok).to(tl.int64)
         if (i_t > 0) & (par != i_t - 1):
             p_idx = tl.load(node_state_indices + bos + par).to(tl.int64)
             b_h = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
-        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-        b_b = tl.load(b + tok * HV + i_hv).to(tl.float32)
-        x = tl.load(a + tok * HV + i_hv).to(tl.float32) + dtb
+        b_q = tl.load(q + (src * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_k = tl.load(k + (src * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_v = tl.load(v + (src * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+        b_b = tl.load(b + src * HV + i_hv).to(tl.float32)
+        x = tl.load(a + src * HV + i_hv).to(tl.float32) + dtb
         softplus_x = tl.where(
             softplus_beta * x <= threshold, (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)), x
         )
@@ -104,6 +108,7 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     node_states: torch.Tensor | None = None,
     node_state_indices: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    token_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's ``fused_sigmoid_gating_delta_rule_update`` (varlen, continuous batching) over trees.
 
@@ -114,9 +119,13 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     t's state at row ``node_state_indices[t]`` (< 0: not stored; every node with a child other than the next
     token must be stored). Pass vLLM's own cache plus the spec slot ids to keep per-node states persistent, or
     leave both None for a transient float32 workspace ``[T, HV, V, K]``. Returns (o ``[1, T, HV, V]``,
-    node_states). Unlike vLLM, initial_state is never written.
+    node_states). Unlike vLLM, initial_state is never written. token_index ``[T']`` (optional): token t reads its
+    q, k, v, a, b from row ``token_index[t]``, so a path through earlier tokens runs without copying them
+    (``relayout.replay_accepted_path``); T is then T' and every other per-token tensor is T' long.
     """
     _, T, H, K = k.shape
+    if token_index is not None:
+        T = token_index.shape[0]
     HV, V = v.shape[2], v.shape[3]
     assert q.shape[0] == 1 and cu_seqlens is not None and ssm_state_indices is not None and initial_state is not None
     assert HV % H == 0 and parents.shape[0] == T
@@ -135,10 +144,10 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     _tree_gdn_kernel[(triton.cdiv(V, BV), N * HV)](
         A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(), v.contiguous(), o,
         initial_state, node_states, cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices,
-        beta, threshold, scale, T,
+        parents if token_index is None else token_index, beta, threshold, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         stride_h0=initial_state.stride(0), stride_hs=node_states.stride(0), stride_idx_seq=stride_idx_seq,
         IS_SPEC_DECODING=num_accepted_tokens is not None, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
-        num_warps=4,
+        HAS_TOKEN_INDEX=token_index is not None, num_warps=4,
     )
     return o, node_states

@@ -96,8 +96,9 @@ class DDTreeProposer(DFlashProposer):
         mode = self.vllm_config.cache_config.mamba_cache_mode
         if mode != "none":
             raise DDTreeConfigError(
-                f"ddtree on a hybrid target keeps one state per tree node in the spec slots, which prefix caching "
-                f"of recurrent state (mamba_cache_mode={mode!r}) does not: pass --no-enable-prefix-caching"
+                f"ddtree on a hybrid target lays out each step's recurrent state itself (docs/hybrid-state-layout.md), "
+                f"which prefix caching of recurrent state (mamba_cache_mode={mode!r}) does not allow: pass "
+                "--no-enable-prefix-caching"
             )
         return HybridTreeTarget(self.core, self.runner, self.device)
 

@@ -40,7 +40,6 @@ from vllm_ddtree.attention.backend import TREE_KERNEL_PREFIX_ENV
 from vllm_ddtree.config import BENCHMARK_ENV
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
-from vllm_ddtree.hybrid.replay_layout import REPLAY_ENV
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -579,10 +578,9 @@ def _print_step_timing(name: str, reports: list[dict]) -> None:
 def gdn_state_gib(target_config: dict, spec: dict | None, tp_size: int, on_gpu: bool) -> float:
     """GDN state per request for a configuration (hybrid/memory.py; before vLLM pads mamba pages to the attention
     page size): vLLM's 1 + num_speculative_tokens state blocks per GDN layer, each conv row widened by them; for
-    ddtree on GPU with the replay layout (VLLM_DDTREE_GDN_REPLAY=1) its one block plus its share of the step's stash
-    and node-state workspace."""
+    ddtree on GPU (the replay layout) its one block plus its share of the step's stash and node-state workspace."""
     shapes = memory.GDNShapes.from_config(target_config, tp_size)
-    if spec and spec["method"] == "ddtree" and on_gpu and os.environ.get(REPLAY_ENV) == "1":
+    if spec and spec["method"] == "ddtree" and on_gpu:
         return memory.step_bytes(shapes, spec["num_speculative_tokens"], 1, "replay") / 2**30
     return memory.persistent_bytes_per_request(shapes, spec["num_speculative_tokens"] if spec else 0) / 2**30
 

@@ -296,19 +296,35 @@ def test_memory_numbers():
 # ---------------------------------------------------------------- (5) the hooks vLLM's GDN layer would call
 
 
-def make_hooks(s, tree_rows):
+def make_hooks(s, tree_rows, masks=None, trees_at=None):
+    """Hooks over one forward of ``s``'s spec sequences (batch rows ``trees_at``, default 0..n-1; ``masks``: which
+    batch rows are spec sequences), with a replay stash for its one GDN layer."""
     from types import SimpleNamespace
 
     from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
+    from vllm_ddtree.hybrid.replay_layout import ReplayStash
     from vllm_ddtree.tree.layout import TreeBatch
 
     n = len(s["parents"])
-    trees = TreeBatch.allocate(n, SPEC, "cpu")
-    for r, ps in enumerate(s["parents"]):
+    masks = torch.ones(n, dtype=torch.bool) if masks is None else masks
+    trees_at = range(n) if trees_at is None else trees_at
+    trees = TreeBatch.allocate(len(masks) + 1, SPEC, "cpu")
+    for r, ps in zip(trees_at, s["parents"]):
         trees.parents[r, : len(ps)] = torch.tensor(ps, dtype=torch.int32)
-    metadata = SimpleNamespace(spec_sequence_masks=torch.ones(n, dtype=torch.bool), spec_query_start_loc=s["qsl"])
+    layer = SimpleNamespace(A_log=s["A_log"], dt_bias=s["dt_bias"], num_k_heads=H, num_v_heads=HV, tp_size=1,
+                            head_k_dim=K, head_v_dim=V)
+    stash = ReplayStash([layer], 64, 8, torch.float32, torch.device("cpu"))
+    metadata = SimpleNamespace(spec_sequence_masks=masks, spec_query_start_loc=s["qsl"])
     forward = object()  # one forward: both hooks and every layer share its parents
-    return GDNTreeHooks(trees, tree_rows, 64, W, torch.device("cpu"), metadata_source=lambda: (forward, metadata))
+    hooks = GDNTreeHooks(trees, tree_rows, 64, W, torch.device("cpu"), stash,
+                         metadata_source=lambda: (forward, metadata))
+    return hooks, stash, layer
+
+
+def one_block_per_request(s):
+    """``s`` as vLLM's GDN metadata names state in the replay layout: the request's one block in every spec column."""
+    blocks = s["spec_idx"][:, 0]
+    return dict(s, spec_idx=blocks[:, None].expand(len(blocks), SPEC + 1).contiguous())
 
 
 def run_hooks(s, hooks, conv_state, ssm_state):
@@ -323,9 +339,10 @@ def run_hooks(s, hooks, conv_state, ssm_state):
 
 
 def test_hooks_without_trees_compute_what_vllm_computes():
-    """A step whose rows verify no tree (tree_rows -1) is a chain: outputs and every state slot equal vLLM's."""
-    s = make_step(5)  # branching trees in the buffers, but no row verifies one
-    hooks = make_hooks(s, torch.full((len(s["parents"]),), -1, dtype=torch.int32))
+    """A step whose rows verify no tree (tree_rows -1) is a chain: outputs and conv state equal vLLM's; the forward
+    writes no recurrent state block (the relayout does, after the walk)."""
+    s = one_block_per_request(make_step(5))  # branching trees in the buffers, but no row verifies one
+    hooks, _, _ = make_hooks(s, torch.full((len(s["parents"]),), -1, dtype=torch.int32))
     conv_v, ssm_v = s["conv_state"].clone(), s["ssm_state"].clone()
     conv_out_v, o_v = vllm_chain_step(s, conv_v, ssm_v, s["x"], s["q"], s["k"], s["v"], s["a"], s["b"], s["qsl"],
                                       s["num_acc"], s["max_len"])
@@ -334,53 +351,7 @@ def test_hooks_without_trees_compute_what_vllm_computes():
     torch.testing.assert_close(conv_out_h, conv_out_v, rtol=0, atol=1e-6)
     torch.testing.assert_close(conv_h, conv_v, rtol=0, atol=0)
     torch.testing.assert_close(o_h, o_v, rtol=0, atol=1e-6)
-    torch.testing.assert_close(ssm_h, ssm_v, rtol=0, atol=1e-6)
-
-
-def test_hooks_with_trees_run_the_tree_kernels_and_keep_node_states_in_spec_columns():
-    s = make_step(6)
-    n = len(s["parents"])
-    hooks = make_hooks(s, torch.arange(n, dtype=torch.int32))
-    conv_h, ssm_h = s["conv_state"].clone(), s["ssm_state"].clone()
-    conv_out_h, o_h = run_hooks(s, hooks, conv_h, ssm_h)
-    conv_t = s["conv_state"].clone()
-    conv_out_t = run_tree_conv(s, conv_t)
-    o_t, states_t = run_tree_gdn(s)
-    torch.testing.assert_close(conv_out_h, conv_out_t, rtol=0, atol=0)
-    torch.testing.assert_close(conv_h, conv_t, rtol=0, atol=0)
-    torch.testing.assert_close(o_h, o_t, rtol=0, atol=0)
-    for r in range(n):
-        lo, hi = int(s["qsl"][r]), int(s["qsl"][r + 1])
-        written = ssm_h[s["spec_idx"][r, : hi - lo].long()]  # node i of request r in its spec column i
-        torch.testing.assert_close(written, states_t[lo:hi], rtol=0, atol=0)
-
-
-def test_hooks_compute_node_slots_once_per_kv_cache_group_and_forward():
-    """Every GDN layer of a KV-cache group gets the same node slots; another group (its own spec slots) its own;
-    the next forward recomputes them. Slots: column t of the token's sequence row in ``ssm_state_indices``."""
-    from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
-    from vllm_ddtree.tree.layout import TreeBatch
-
-    qsl = torch.tensor([0, 3, 4, 7], dtype=torch.int32)
-    forward = [object()]
-    hooks = GDNTreeHooks(TreeBatch.allocate(3, SPEC, "cpu"), torch.full((3,), -1, dtype=torch.int32), 16, W,
-                         torch.device("cpu"), metadata_source=lambda: (forward[0], None), max_groups=2)
-    group_a = torch.arange(3 * (SPEC + 1), dtype=torch.int32).view(3, SPEC + 1) + 100
-    group_b = torch.arange(3 * (SPEC + 1), dtype=torch.int32).view(3, SPEC + 1) + 500
-
-    def expected(indices):
-        return torch.tensor([int(indices[r, t]) for r in range(3) for t in range(int(qsl[r + 1] - qsl[r]))],
-                            dtype=torch.int32)
-
-    slots_a = hooks.node_slots(7, qsl, group_a)
-    assert torch.equal(slots_a, expected(group_a))
-    assert torch.equal(hooks.node_slots(7, qsl, group_b), expected(group_b))
-    group_a += 1000  # the same forward: the group's slots were computed by its first layer
-    assert hooks.node_slots(7, qsl, group_a) is slots_a and torch.equal(slots_a, expected(group_a - 1000))
-    with pytest.raises(RuntimeError, match="max_groups"):
-        hooks.node_slots(7, qsl, group_b.clone())
-    forward[0] = object()  # the next forward
-    assert torch.equal(hooks.node_slots(7, qsl, group_a), expected(group_a))
+    assert torch.equal(ssm_h, s["ssm_state"])
 
 
 # ---------------------------------------------------------------- (6) a step's relayout over every GDN layer
@@ -444,12 +415,7 @@ def test_replay_layout_leaves_each_block_as_a_chain_verify_of_the_accepted_path_
     a live block. The forward writes no state block; afterwards each verified request's one block holds its accepted
     path's last node state (bit for bit the tree kernel's) and its conv row is the persistent layout's relayout; the
     prefill row's and the padding row's blocks are untouched."""
-    from types import SimpleNamespace
-
     from ddtree_testkit.sync_audit import SyncAudit
-    from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
-    from vllm_ddtree.hybrid.replay_layout import ReplayStash
-    from vllm_ddtree.tree.layout import TreeBatch
 
     gen = torch.Generator().manual_seed(13)
     s = make_step(9)
@@ -457,18 +423,9 @@ def test_replay_layout_leaves_each_block_as_a_chain_verify_of_the_accepted_path_
     spec_rows, prefill_row, rows = [0, 2, 3, 4], 1, 6
     masks = torch.zeros(rows - 1, dtype=torch.bool)
     masks[spec_rows] = True
-    trees = TreeBatch.allocate(rows, SPEC, "cpu")
-    for r, ps in zip(spec_rows, s["parents"]):
-        trees.parents[r, : len(ps)] = torch.tensor(ps, dtype=torch.int32)
-    metadata = SimpleNamespace(spec_sequence_masks=masks, spec_query_start_loc=s["qsl"])
-    layer = SimpleNamespace(A_log=s["A_log"], dt_bias=s["dt_bias"], num_k_heads=H, num_v_heads=HV, tp_size=1,
-                            head_k_dim=K, head_v_dim=V)
-    stash = ReplayStash([layer], 64, 8, torch.float32, torch.device("cpu"))
-    forward = object()
-    hooks = GDNTreeHooks(trees, torch.arange(rows, dtype=torch.int32), 64, W, torch.device("cpu"),
-                         metadata_source=lambda: (forward, metadata), replay=stash)
+    hooks, stash, layer = make_hooks(s, torch.arange(rows, dtype=torch.int32), masks, spec_rows)
     blocks = s["spec_idx"][:, 0]
-    one_block = dict(s, spec_idx=blocks[:, None].expand(n, SPEC + 1).contiguous())  # vLLM's graph-path metadata
+    one_block = one_block_per_request(s)  # vLLM's graph-path metadata
     conv_h, ssm_h = s["conv_state"].clone(), s["ssm_state"].clone()
     syncs: list[dict] = []
     with SyncAudit(syncs):
@@ -522,16 +479,3 @@ def test_one_state_block_keeps_vllm_shapes_and_drops_the_spec_blocks():
     layer = SimpleNamespace(get_kv_cache_spec=lambda spec_tokens: Spec(((8, 3 + spec_tokens), (2, 4, 4)), spec_tokens))
     one_state_block(layer)
     assert layer.get_kv_cache_spec(12) == Spec(((8, 15), (2, 4, 4)), 0)
-
-
-def test_replay_layout_is_opt_in_and_a_bad_value_names_the_fix(monkeypatch):
-    from vllm_ddtree.config import DDTreeConfigError
-    from vllm_ddtree.hybrid.replay_layout import REPLAY_ENV, replay_layout_requested
-
-    monkeypatch.delenv(REPLAY_ENV, raising=False)
-    assert not replay_layout_requested()
-    monkeypatch.setenv(REPLAY_ENV, "1")
-    assert replay_layout_requested()
-    monkeypatch.setenv(REPLAY_ENV, "yes")
-    with pytest.raises(DDTreeConfigError, match="set it to 1"):
-        replay_layout_requested()

@@ -3,22 +3,15 @@
 ``qwen_gdn_linear_attn.GatedDeltaNetAttention._forward_core`` verifies drafts with ``causal_conv1d_update`` and
 ``fused_sigmoid_gating_delta_rule_update`` (its "multi-query part"). ``conv_update`` and ``recurrent_update`` take
 the same arguments and run ``tree_conv`` / ``tree_gdn`` over this step's trees instead, so the layer itself needs
-no change beyond calling them (the hook points; not wired yet: see issue 9's closing note). They read the step's
-trees only from static buffers (the verifier's ``TreeBatch`` and ``tree_rows``), so a captured CUDA graph replays
-them with each step's trees; a step without trees (``tree_rows`` all -1) gets chain parents, which makes both
+no change beyond calling them (patch 0005's hook points, installed by ``target.HybridTreeTarget``). They read the
+step's trees only from static buffers (the verifier's ``TreeBatch`` and ``tree_rows``), so a captured CUDA graph
+replays them with each step's trees; a step without trees (``tree_rows`` all -1) gets chain parents, which makes both
 kernels compute exactly what vLLM's do.
 
 Token parents and conv windows are computed once per forward (the first GDN layer; every layer of a step shares
-the batch) into static buffers. Where node states go depends on the layout:
-
-- replay (``replay_layout.ReplayStash`` given; ``VLLM_DDTREE_GDN_REPLAY=1``): one state block per request, read
-  and never written; branch nodes' states go to the stash's float32 workspace, and each layer's inputs into the
-  stash, from which the relayout recomputes the accepted path.
-- persistent (vLLM's own layout, 1 + B blocks per request): node t's recurrent state goes to vLLM's spec slot column
-  t of its sequence, which is where vLLM's chain kernel puts the state after token t: the post-walk relayout then
-  only has to move the accepted path's columns. Those slots differ per GDN KV-cache group, so they are computed
-  once per group and forward (about 8 small kernels: at 48 GDN layers in a few groups, instead of ~400 in every
-  captured verify graph).
+the batch) into static buffers. Node states follow the replay layout (``replay_layout``; docs/hybrid-state-layout.md):
+one state block per request, read and never written here; branch nodes' states go to the stash's float32 workspace
+and each layer's inputs into the stash, from which the relayout recomputes the accepted path after the walk.
 """
 
 from __future__ import annotations
@@ -60,25 +53,19 @@ class GDNTreeHooks:
         max_tokens: int,
         conv_width: int,
         device: torch.device,
+        replay: ReplayStash,
         metadata_source: Callable[[], tuple[Any, Any]] = forward_gdn_metadata,
-        max_groups: int = 64,
-        replay: ReplayStash | None = None,
     ):
-        """``max_groups``: at most this many GDN KV-cache groups (the GDN layer count bounds it); ``replay``: the
-        replay layout's stash (None: the persistent layout)."""
+        """``replay``: the replay layout's stash, where each layer's inputs and the branch nodes' states go."""
         self.trees = trees
         self.replay = replay
-        self.node_state_indices = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)  # replay layout
+        self.node_state_indices = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.tree_rows = tree_rows
         self.conv_width = conv_width
         self.metadata_source = metadata_source
         self.parents = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.window = torch.full((max_tokens, conv_width - 1), -1, dtype=torch.int32, device=device)
         self._computed_for: Any = None  # the forward whose parents are in the buffers
-        # Static node-slot buffers, one per GDN KV-cache group of a forward, in the order the layers meet them.
-        self.group_slots = torch.zeros(max_groups, max_tokens, dtype=torch.int32, device=device)
-        self._slots_for: Any = None  # the forward whose groups are in _slots_by_group
-        self._slots_by_group: dict[tuple, torch.Tensor] = {}
 
     def step_parents(self, num_tokens: int, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's ``[T]`` token parents and ``[T, width-1]`` conv windows (computed on first use)."""
@@ -90,31 +77,10 @@ class GDNTreeHooks:
                 metadata.spec_sequence_masks, metadata.spec_query_start_loc, self.trees.parents, self.tree_rows, parents
             )
             window.copy_(tree_conv_window(parents, query_start_loc, self.conv_width))
-            if self.replay is not None:
-                self.node_state_indices[:num_tokens].copy_(
-                    self.replay.record_step(metadata.spec_sequence_masks, metadata.spec_query_start_loc, parents))
+            self.node_state_indices[:num_tokens].copy_(
+                self.replay.record_step(metadata.spec_sequence_masks, metadata.spec_query_start_loc, parents))
             self._computed_for = key
         return parents, window
-
-    def node_slots(self, num_tokens: int, cu_seqlens: torch.Tensor, ssm_state_indices: torch.Tensor) -> torch.Tensor:
-        """``[T]`` int32: the spec slot of each token's node (column t of its sequence's ``ssm_state_indices`` row),
-        computed on the first layer of each KV-cache group (its own ``ssm_state_indices``) in this forward."""
-        key, _ = self.metadata_source()
-        if key is not self._slots_for:
-            self._slots_for, self._slots_by_group = key, {}
-        group = (ssm_state_indices.data_ptr(), tuple(ssm_state_indices.shape))
-        slots = self._slots_by_group.get(group)
-        if slots is None:
-            if len(self._slots_by_group) == self.group_slots.shape[0]:
-                raise RuntimeError("ddtree: more GDN KV-cache groups in one forward than GDNTreeHooks' max_groups")
-            slots = self.group_slots[len(self._slots_by_group), :num_tokens]
-            tok = torch.arange(num_tokens, device=slots.device)
-            last_seq = cu_seqlens.shape[0] - 2
-            seq = torch.searchsorted(cu_seqlens[1:].to(torch.int64), tok, right=True).clamp(max=last_seq)
-            node = (tok - cu_seqlens.to(torch.int64)[seq]).clamp(0, ssm_state_indices.shape[1] - 1)
-            slots.copy_(ssm_state_indices[seq, node])
-            self._slots_by_group[group] = slots
-        return slots
 
     def conv_update(
         self,
@@ -153,25 +119,15 @@ class GDNTreeHooks:
         use_qk_l2norm_in_kernel: bool = False,
         **_unused,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``fused_sigmoid_gating_delta_rule_update`` for spec tokens; node t's state goes to spec column t
-        (persistent layout) or, for branch nodes, to the replay stash's workspace (replay layout)."""
+        """``fused_sigmoid_gating_delta_rule_update`` for spec tokens: branch nodes' states to the stash's workspace,
+        this layer's inputs to the stash; the request's one block (every spec column names it) is read, not written."""
         num_tokens = q.shape[1]
         parents, _ = self.step_parents(num_tokens, cu_seqlens)
-        if self.replay is not None:
-            self.replay.keep(self.replay.layer(A_log), q, k, v, a, b)
-            # One block per request, named by every spec column: read column 0, never written here.
-            o, _ = tree_fused_sigmoid_gating_delta_rule_update(
-                A_log, a, b, dt_bias, q, k, v, parents,
-                initial_state=initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices[:, :1],
-                node_states=self.replay.node_states, node_state_indices=self.node_state_indices[:num_tokens],
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            )
-            return o, initial_state
-        node_slots = self.node_slots(num_tokens, cu_seqlens, ssm_state_indices)
+        self.replay.keep(self.replay.layer(A_log), q, k, v, a, b)
         o, _ = tree_fused_sigmoid_gating_delta_rule_update(
             A_log, a, b, dt_bias, q, k, v, parents,
-            initial_state=initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
-            num_accepted_tokens=num_accepted_tokens, node_states=initial_state, node_state_indices=node_slots,
+            initial_state=initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices[:, :1],
+            node_states=self.replay.node_states, node_state_indices=self.node_state_indices[:num_tokens],
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
         return o, initial_state

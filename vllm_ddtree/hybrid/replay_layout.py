@@ -18,36 +18,21 @@ sibling) and, for the accepted path's last node, after the walk. So in this layo
 The stash and workspace are sized by the most speculative tokens one step can hold (``max_num_seqs x (1 + B)``,
 at most ``max_num_batched_tokens``) and allocated when the model loads, before vLLM's memory profile counts them.
 
-Opt-in (``VLLM_DDTREE_GDN_REPLAY=1``) until an H200 has run the engine's lossless test through it: its first GPU
-start (2026-12-03) failed CUDA-graph capture on a boolean-mask index, fixed since and audited on the CPU, but not yet
-rerun on a GPU. Without it a GPU worker keeps vLLM's layout (1 + B blocks per request), lossless on the H200 since
-2026-12-02.
+This is the GPU worker's only layout: an H200 ran the engine's teacher-forced lossless test through it with CUDA
+graphs on 2026-12-03 (``tests/gpu/test_hybrid_replay_capture.py`` captures the hooks and the relayout as the engine
+does). The CPU engine keeps vLLM's layout: its C++ chain op writes node t's state into spec column t.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 
 from vllm_ddtree.hybrid.relayout import branch_node_indices
 
 logger = logging.getLogger(__name__)
-
-REPLAY_ENV = "VLLM_DDTREE_GDN_REPLAY"
-
-
-def replay_layout_requested() -> bool:
-    """The replay layout is opt-in on GPU for now (module docstring); any value but 0 / 1 is refused at start-up."""
-    value = os.environ.get(REPLAY_ENV, "0")
-    if value not in ("0", "1"):
-        from vllm_ddtree.config import DDTreeConfigError
-
-        raise DDTreeConfigError(f"{REPLAY_ENV}={value!r}: set it to 1 (one GDN state block per request, the replay "
-                                "layout) or 0 (vLLM's 1 + B blocks per request)")
-    return value == "1"
 
 
 def one_state_block(layer) -> None:

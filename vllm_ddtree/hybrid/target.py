@@ -2,18 +2,18 @@
 
 During the verify forward every GDN layer runs its speculative tokens through the tree versions of vLLM's kernels
 (CPU: ``cpu_tree.tree_spec_forward_cpu`` in place of ``_spec_forward``; GPU: ``gdn_hooks.GDNTreeHooks``), which
-leave node t's state in the request's spec slot column t and its conv input in column ``width - 2 + t``, as vLLM's
-chain does for token t. After the walk, ``relayout`` moves each request's accepted path into columns
-``0..a`` in every GDN layer, so vLLM's chain bookkeeping (``num_accepted_tokens = a + 1``) reads the right state
-and window next step, unchanged.
+leave node t's conv input in column ``width - 2 + t`` of the request's conv row, as vLLM's chain does for token t
+(and on the CPU node t's state in spec slot column t). After the walk, ``relayout`` moves each request's accepted
+path into columns ``0..a`` in every GDN layer (on GPU it recomputes the path's last state into the request's one
+block), so vLLM's chain bookkeeping (``num_accepted_tokens = a + 1``) reads the right state and window next step,
+unchanged.
 
-The state layout (docs/hybrid-state-layout.md): on GPU with ``VLLM_DDTREE_GDN_REPLAY=1`` the replay layout
-(``replay_layout``): one state block per request, the accepted path's state recomputed after the walk from the
-inputs each layer stashed. Otherwise, and on the CPU engine, vLLM's own layout (``1 + num_speculative_tokens``
-blocks per request, ``num_speculative_tokens = B``; node t's state in spec column t, where vLLM's C++ chain op
-writes it). Either way the slots come from the GDN layers' own KV-cache groups, read from the runner's block tables
-by batch row, so the relayout runs for every row of the batch: rows without a tree accepted the root only, and
-rows that verified nothing (a prefill) are skipped.
+The state layout (docs/hybrid-state-layout.md): on GPU the replay layout (``replay_layout``): one state block per
+request, the accepted path's state recomputed after the walk from the inputs each layer stashed. On the CPU engine
+vLLM's own layout (``1 + num_speculative_tokens`` blocks per request, ``num_speculative_tokens = B``; node t's state
+in spec column t, where vLLM's C++ chain op writes it). Either way the slots come from the GDN layers' own KV-cache
+groups, read from the runner's block tables by batch row, so the relayout runs for every row of the batch: rows
+without a tree accepted the root only, and rows that verified nothing (a prefill) are skipped.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.hybrid.relayout import apply_relayout, apply_replay, relayout_plan, replay_plan
-from vllm_ddtree.hybrid.replay_layout import ReplayStash, one_state_block, replay_layout_requested, stash_size
+from vllm_ddtree.hybrid.replay_layout import ReplayStash, one_state_block, stash_size
 from vllm_ddtree.hybrid.spec_parents import spec_token_parents
 
 
@@ -49,7 +49,7 @@ class HybridTreeTarget:
         self.verifier = verifier
         self.runner = runner
         self.device = device
-        self.replay: ReplayStash | None = None  # the replay layout's stash (GPU)
+        self.replay: ReplayStash | None = None  # the replay layout's stash (GPU; the CPU engine keeps vLLM's layout)
         # (group, conv, ssm, width, layer module) per GDN layer
         self._layers: list[tuple[int, torch.Tensor, torch.Tensor, int, object]] | None = None
         self.install_hooks()
@@ -68,17 +68,14 @@ class HybridTreeTarget:
         from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
 
         config = self.runner.vllm_config
-        width = _conv_width(self.runner)
-        max_tokens = config.scheduler_config.max_num_batched_tokens
-        num_layers = config.model_config.hf_text_config.num_hidden_layers  # bounds the GDN groups
-        if replay_layout_requested():
-            layers = [m for m in config.compilation_config.static_forward_context.values()
-                      if isinstance(m, qwen_gdn_linear_attn.QwenGatedDeltaNetAttention)]
-            for layer in layers:
-                one_state_block(layer)
-            self.replay = ReplayStash(layers, *stash_size(config), config.model_config.dtype, self.device)
-        hooks = GDNTreeHooks(self.verifier.verify_trees, self.verifier.tree_rows, max_tokens, width, self.device,
-                             max_groups=num_layers, replay=self.replay)
+        layers = [m for m in config.compilation_config.static_forward_context.values()
+                  if isinstance(m, qwen_gdn_linear_attn.QwenGatedDeltaNetAttention)]
+        for layer in layers:
+            one_state_block(layer)
+        self.replay = ReplayStash(layers, *stash_size(config), config.model_config.dtype, self.device)
+        hooks = GDNTreeHooks(self.verifier.verify_trees, self.verifier.tree_rows,
+                             config.scheduler_config.max_num_batched_tokens, _conv_width(self.runner), self.device,
+                             self.replay)
         qwen_gdn_linear_attn.SPEC_CONV_UPDATE = hooks.conv_update
         qwen_gdn_linear_attn.SPEC_RECURRENT_UPDATE = hooks.recurrent_update
 

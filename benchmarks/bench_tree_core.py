@@ -468,6 +468,89 @@ def setup_kv_compact(case: Case) -> Step:
     return lambda: kv_compact_torch(layers, bt, ctx, acc)
 
 
+# --- hybrid targets: one GatedDeltaNet layer of Qwen3.6-27B (TP=1), replay layout -------------------------------
+
+GDN_HEADS_QK, GDN_HEADS_V, GDN_DIM = 16, 48, 128  # Qwen3.6-27B: linear_num_key_heads, linear_num_value_heads, dims
+GDN_LAYERS = 48  # its GDN layers: a step pays each benchmark below this many times
+
+
+def _gdn_inputs(case: Case, chain: bool) -> dict:
+    """One GDN layer's verify inputs for ``batch`` requests of ``1 + budget`` tokens: best-first trees (``_built_tree``)
+    or chains, q/k/v/a/b in the case's dtype, one float32 state block per request, the branch-node indices."""
+    from vllm_ddtree.hybrid.relayout import branch_node_indices
+
+    dev, n, hk, hv, d = case.device, case.budget + 1, GDN_HEADS_QK, GDN_HEADS_V, GDN_DIM
+    if case.device == "cpu":
+        hk, hv, d = 2, 4, 16
+    tokens = case.batch * n
+    gen = torch.Generator(device=dev).manual_seed(5)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(case.dtype)
+
+    if chain:
+        parents = (torch.arange(n, device=dev) - 1).repeat(case.batch).int()
+    else:
+        parents = _built_tree(case).parents.reshape(-1).int()
+    qsl = torch.arange(case.batch + 1, dtype=torch.int32, device=dev) * n
+    return dict(
+        A_log=torch.rand(hv, generator=gen, device=dev) - 0.5, dt_bias=torch.rand(hv, generator=gen, device=dev) * 0.2,
+        q=randn(1, tokens, hk, d), k=randn(1, tokens, hk, d), v=randn(1, tokens, hv, d), a=randn(tokens, hv),
+        b=randn(tokens, hv), parents=parents, qsl=qsl,
+        blocks=torch.arange(1, case.batch + 1, dtype=torch.int32, device=dev)[:, None],
+        state=torch.randn(case.batch + 1, hv, d, d, generator=gen, device=dev) * 0.1,
+        workspace=torch.zeros(tokens, hv, d, d, device=dev), stored=branch_node_indices(parents, qsl),
+    )
+
+
+def _gdn_verify(x: dict) -> Step:
+    from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
+
+    return lambda: tree_fused_sigmoid_gating_delta_rule_update(
+        x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["parents"], initial_state=x["state"],
+        cu_seqlens=x["qsl"], ssm_state_indices=x["blocks"], node_states=x["workspace"],
+        node_state_indices=x["stored"], use_qk_l2norm_in_kernel=True)
+
+
+@register("gdn_chain")
+def setup_gdn_chain(case: Case) -> Step:
+    """One GDN layer's recurrence over 1 + B chain tokens per request (what the DFlash chain's verify pays, in the
+    tree kernel: nothing stored)."""
+    return _gdn_verify(_gdn_inputs(case, chain=True))
+
+
+@register("gdn_tree")
+def setup_gdn_tree(case: Case) -> Step:
+    """The same over best-first trees, branch nodes' states stored in the float32 workspace (the verify forward in
+    the replay layout)."""
+    return _gdn_verify(_gdn_inputs(case, chain=False))
+
+
+@register("gdn_replay")
+def setup_gdn_replay(case: Case) -> Step:
+    """One GDN layer's relayout after the walk in the replay layout: each request's accepted path (about depth / 2
+    nodes deep along the tree) rerun from its block over the stashed inputs (``relayout.apply_replay``; the plan is
+    built once per step for every layer, so it is not timed)."""
+    from vllm_ddtree.hybrid.relayout import apply_replay, replay_plan
+
+    x = _gdn_inputs(case, chain=False)
+    n, width = case.budget + 1, case.depth + 1
+    accepted = torch.full((case.batch, width), -1, dtype=torch.int32)
+    kept = torch.zeros(case.batch, dtype=torch.int32)
+    for r, row in enumerate(x["parents"].view(case.batch, n).tolist()):
+        paths = []
+        for node in range(n):  # root-to-node paths, the longest up to depth / 2 + 1 nodes kept
+            path = [node]
+            while row[path[-1]] >= 0:
+                path.append(row[path[-1]])
+            paths.append(path[::-1])
+        path = max((p for p in paths if len(p) <= case.depth // 2 + 1), key=len)
+        accepted[r, : len(path)], kept[r] = torch.tensor(path, dtype=torch.int32), len(path)
+    blocks = x["blocks"][:, 0]
+    plan = replay_plan(blocks, blocks, accepted.to(case.device), kept.to(case.device), x["qsl"])
+    return lambda: apply_replay(plan, x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["state"])
+
+
 # --- harness ------------------------------------------------------------------------------------------------
 
 

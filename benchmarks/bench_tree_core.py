@@ -551,6 +551,24 @@ def setup_gdn_replay(case: Case) -> Step:
     return lambda: apply_replay(plan, x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["state"])
 
 
+def _prefetching(step: Step) -> Step:
+    """``step`` with ``tree_gdn.PREFETCH_INPUTS`` on (the next token's inputs loaded before this one's update)."""
+    from vllm_ddtree.hybrid import tree_gdn
+
+    def run() -> None:
+        default, tree_gdn.PREFETCH_INPUTS = tree_gdn.PREFETCH_INPUTS, True
+        try:
+            step()
+        finally:
+            tree_gdn.PREFETCH_INPUTS = default
+
+    return run
+
+
+for _name, _setup in (("gdn_chain", setup_gdn_chain), ("gdn_tree", setup_gdn_tree), ("gdn_replay", setup_gdn_replay)):
+    register(f"{_name}_prefetch")(lambda case, setup=_setup: _prefetching(setup(case)))
+
+
 # --- harness ------------------------------------------------------------------------------------------------
 
 

@@ -138,6 +138,9 @@ class HybridTreeTarget:
         stash = self.replay
         row_start = stash.row_start[:rows]
         verified = live & (row_start >= 0)
+        # Unverified rows all map to the null block: copying its columns onto themselves keeps their writes equal
+        # (a moved path there would race another row's copy into the same block).
+        kept = torch.where(verified, kept, 1)
         plans = {}  # (conv plan, replay plan) per KV-cache group, shared by its layers
         for group, conv, ssm, width, layer in self._layers:
             if group not in plans:

@@ -551,6 +551,36 @@ def setup_gdn_replay(case: Case) -> Step:
     return lambda: apply_replay(plan, x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["state"])
 
 
+def _verify_gdn_levels(case: Case) -> str:
+    """The by-level recurrence against the tree kernel storing every node's state (the same math; a 3-D tile's
+    reductions may round differently in the last bits)."""
+    from gdn_levels import tree_gdn_by_level
+
+    from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
+
+    x = _gdn_inputs(case, chain=False)
+    o_ref, states_ref = tree_fused_sigmoid_gating_delta_rule_update(
+        x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["parents"], initial_state=x["state"],
+        cu_seqlens=x["qsl"], ssm_state_indices=x["blocks"], use_qk_l2norm_in_kernel=True)
+    o, states = tree_gdn_by_level(x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["parents"],
+                                  x["state"], x["qsl"], x["blocks"], case.depth + 1, x["workspace"])
+    worst = max(float((o.float() - o_ref.float()).abs().max()), float((states - states_ref).abs().max()))
+    return "ok" if worst <= 1e-3 else f"differs from the tree kernel by {worst:.3g}"
+
+
+@register("gdn_tree_levels", verify=_verify_gdn_levels)
+def setup_gdn_tree_levels(case: Case) -> Step:
+    """``gdn_tree`` by depth level (benchmarks/gdn_levels.py, an experiment): up to 4 nodes of a level per program
+    step, every node's state stored; the level order is computed once per forward for all layers, so not timed."""
+    from gdn_levels import level_order, tree_gdn_by_level
+
+    x = _gdn_inputs(case, chain=False)
+    order = level_order(x["parents"], x["qsl"], case.depth + 1)
+    return lambda: tree_gdn_by_level(x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["parents"],
+                                     x["state"], x["qsl"], x["blocks"], case.depth + 1, x["workspace"],
+                                     order_and_starts=order)
+
+
 def _prefetching(step: Step) -> Step:
     """``step`` with ``tree_gdn.PREFETCH_INPUTS`` on (the next token's inputs loaded before this one's update)."""
     from vllm_ddtree.hybrid import tree_gdn

@@ -79,9 +79,10 @@ def _tree_gdn_kernel(
     A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     dtb = tl.load(dt_bias + i_hv).to(tl.float32)
 
-    n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
-        q, k, v, a, b, parents, node_state_indices, token_index, bos, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-        H, HV, K, V, HAS_TOKEN_INDEX)
+    if PREFETCH:
+        n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
+            q, k, v, a, b, parents, node_state_indices, token_index, bos, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+            H, HV, K, V, HAS_TOKEN_INDEX)
     for i_t in range(0, T):
         tok = bos + i_t
         if PREFETCH:  # this token's inputs arrived during the last update; ask for the next one's now

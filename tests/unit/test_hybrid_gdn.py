@@ -451,8 +451,11 @@ def test_replay_layout_leaves_each_block_as_a_chain_verify_of_the_accepted_path_
     conv_h, ssm_h = s["conv_state"].clone(), s["ssm_state"].clone()
     syncs: list[dict] = []
     with SyncAudit(syncs):
-        _, o_h = run_hooks(one_block, hooks, conv_h, ssm_h)
+        conv_out_h, o_h = run_hooks(one_block, hooks, conv_h, ssm_h)
     assert torch.equal(ssm_h, s["ssm_state"]), "the verify forward wrote a state block"
+    conv_t = s["conv_state"].clone()
+    torch.testing.assert_close(conv_out_h, run_tree_conv(s, conv_t), rtol=0, atol=0)  # the tree conv, via the hooks
+    torch.testing.assert_close(conv_h, conv_t, rtol=0, atol=0)
     o_t, states_t = tree_fused_sigmoid_gating_delta_rule_update(
         s["A_log"], s["a"], s["b"], s["dt_bias"], s["q"][None], s["k"][None], s["v"][None], s["flat_parents"],
         initial_state=s["ssm_state"], cu_seqlens=s["qsl"], ssm_state_indices=blocks[:, None],

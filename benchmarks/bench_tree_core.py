@@ -514,8 +514,9 @@ def _gdn_verify(x: dict) -> Step:
 
 @register("gdn_chain")
 def setup_gdn_chain(case: Case) -> Step:
-    """One GDN layer's recurrence over 1 + B chain tokens per request (what the DFlash chain's verify pays, in the
-    tree kernel: nothing stored)."""
+    """One GDN layer's recurrence over 1 + B chain tokens per request in the tree kernel, nothing stored. Until
+    2026-12-04 this kernel loaded each token's inputs at its turn, as vLLM's chain kernel does, and timed what the
+    DFlash chain's verify pays (benchmarks/README.md); it now loads the next token's ahead, so it runs faster."""
     return _gdn_verify(_gdn_inputs(case, chain=True))
 
 
@@ -549,54 +550,6 @@ def setup_gdn_replay(case: Case) -> Step:
     blocks = x["blocks"][:, 0]
     plan = replay_plan(blocks, blocks, accepted.to(case.device), kept.to(case.device), x["qsl"])
     return lambda: apply_replay(plan, x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["state"])
-
-
-def _verify_gdn_levels(case: Case) -> str:
-    """The by-level recurrence against the tree kernel storing every node's state (the same math; a 3-D tile's
-    reductions may round differently in the last bits)."""
-    from gdn_levels import tree_gdn_by_level
-
-    from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
-
-    x = _gdn_inputs(case, chain=False)
-    o_ref, states_ref = tree_fused_sigmoid_gating_delta_rule_update(
-        x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["parents"], initial_state=x["state"],
-        cu_seqlens=x["qsl"], ssm_state_indices=x["blocks"], use_qk_l2norm_in_kernel=True)
-    o, states = tree_gdn_by_level(x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["parents"],
-                                  x["state"], x["qsl"], x["blocks"], case.depth + 1, x["workspace"])
-    worst = max(float((o.float() - o_ref.float()).abs().max()), float((states - states_ref).abs().max()))
-    return "ok" if worst <= 1e-3 else f"differs from the tree kernel by {worst:.3g}"
-
-
-@register("gdn_tree_levels", verify=_verify_gdn_levels)
-def setup_gdn_tree_levels(case: Case) -> Step:
-    """``gdn_tree`` by depth level (benchmarks/gdn_levels.py, an experiment): up to 4 nodes of a level per program
-    step, every node's state stored; the level order is computed once per forward for all layers, so not timed."""
-    from gdn_levels import level_order, tree_gdn_by_level
-
-    x = _gdn_inputs(case, chain=False)
-    order = level_order(x["parents"], x["qsl"], case.depth + 1)
-    return lambda: tree_gdn_by_level(x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["parents"],
-                                     x["state"], x["qsl"], x["blocks"], case.depth + 1, x["workspace"],
-                                     order_and_starts=order)
-
-
-def _prefetching(step: Step) -> Step:
-    """``step`` with ``tree_gdn.PREFETCH_INPUTS`` on (the next token's inputs loaded before this one's update)."""
-    from vllm_ddtree.hybrid import tree_gdn
-
-    def run() -> None:
-        default, tree_gdn.PREFETCH_INPUTS = tree_gdn.PREFETCH_INPUTS, True
-        try:
-            step()
-        finally:
-            tree_gdn.PREFETCH_INPUTS = default
-
-    return run
-
-
-for _name, _setup in (("gdn_chain", setup_gdn_chain), ("gdn_tree", setup_gdn_tree), ("gdn_replay", setup_gdn_replay)):
-    register(f"{_name}_prefetch")(lambda case, setup=_setup: _prefetching(setup(case)))
 
 
 # --- harness ------------------------------------------------------------------------------------------------

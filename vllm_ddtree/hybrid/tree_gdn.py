@@ -17,14 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-# True: load token t+1's inputs before token t's update, so their memory latency may overlap its arithmetic. Each
-# program runs its tokens one after another, and at batch 1 (a few hundred programs on 132 SMs) a layer's time is
-# that chain of per-token latencies (benchmarks/README.md 2026-12-03 third session: 1.6-1.8 us per token). Both
-# orders compute the same bits; the default stays the measured one until bench_tree_core's gdn_*_prefetch rows
-# have been timed against it.
-PREFETCH_INPUTS = False
-
-
 @triton.jit
 def _token_inputs(q, k, v, a, b, parents, node_state_indices, token_index, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -52,7 +44,6 @@ def _tree_gdn_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     stride_h0: tl.constexpr, stride_hs: tl.constexpr, stride_idx_seq: tl.constexpr,
     IS_SPEC_DECODING: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr, HAS_TOKEN_INDEX: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -79,21 +70,19 @@ def _tree_gdn_kernel(
     A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     dtb = tl.load(dt_bias + i_hv).to(tl.float32)
 
-    if PREFETCH:
-        n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
-            q, k, v, a, b, parents, node_state_indices, token_index, bos, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-            H, HV, K, V, HAS_TOKEN_INDEX)
+    # Token t+1's inputs are loaded before token t's update so that their memory latency overlaps its arithmetic:
+    # each program runs its tokens one after another, and a layer's time is that chain of per-token latencies
+    # (H200, one Qwen3.6-27B GDN layer, graphed: 25-30% less than loading each token's inputs at its turn,
+    # benchmarks/README.md 2026-12-04). Both orders compute the same bits.
+    n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
+        q, k, v, a, b, parents, node_state_indices, token_index, bos, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+        H, HV, K, V, HAS_TOKEN_INDEX)
     for i_t in range(0, T):
         tok = bos + i_t
-        if PREFETCH:  # this token's inputs arrived during the last update; ask for the next one's now
-            par, s_idx, b_q, b_k, b_v, b_b, b_a = n_par, n_sidx, n_q, n_k, n_v, n_b, n_a
-            n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
-                q, k, v, a, b, parents, node_state_indices, token_index, bos + tl.minimum(i_t + 1, T - 1), i_h,
-                i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, HAS_TOKEN_INDEX)
-        else:
-            par, s_idx, b_q, b_k, b_v, b_b, b_a = _token_inputs(
-                q, k, v, a, b, parents, node_state_indices, token_index, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-                H, HV, K, V, HAS_TOKEN_INDEX)
+        par, s_idx, b_q, b_k, b_v, b_b, b_a = n_par, n_sidx, n_q, n_k, n_v, n_b, n_a
+        n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
+            q, k, v, a, b, parents, node_state_indices, token_index, bos + tl.minimum(i_t + 1, T - 1), i_h,
+            i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, HAS_TOKEN_INDEX)
         if (i_t > 0) & (par != i_t - 1):
             p_idx = tl.load(node_state_indices + bos + par).to(tl.int64)
             b_h = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
@@ -178,6 +167,6 @@ def tree_fused_sigmoid_gating_delta_rule_update(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         stride_h0=initial_state.stride(0), stride_hs=node_states.stride(0), stride_idx_seq=stride_idx_seq,
         IS_SPEC_DECODING=num_accepted_tokens is not None, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
-        HAS_TOKEN_INDEX=token_index is not None, PREFETCH=PREFETCH_INPUTS, num_warps=4,
+        HAS_TOKEN_INDEX=token_index is not None, num_warps=4,
     )
     return o, node_states

@@ -115,6 +115,23 @@ def warn_if_trees_outgrow_graphs(vllm_config, budget: int) -> None:
         )
 
 
+def warn_if_budget_schedule_drops_full_graphs(vllm_config, device: torch.device) -> None:
+    """On the V1 runner vLLM replaces full CUDA graphs by piecewise ones when a budget schedule is set
+    (``VllmConfig._maybe_override_dynamic_sd_cudagraph_mode``), so attention and GatedDeltaNet layers run eagerly.
+    Hybrid targets run on V1, and there it costs more than the smaller trees save (H200, Qwen3.6-27B's shape,
+    2026-12-04: a batch-1 step of the schedule's B=64 took 56.8 ms against 31.2 with a fixed B=64)."""
+    if device.type != "cuda" or vllm_config.model_config.enforce_eager:
+        return
+    if getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None) is None:
+        return
+    logging.getLogger("vllm_ddtree").warning(
+        "ddtree: num_speculative_tokens_per_batch_size on the V1 runner makes vLLM run piecewise CUDA graphs only "
+        "(attention and GatedDeltaNet layers eager), which cost a Qwen3.6-27B-shaped target 1.8x its batch-1 step "
+        "with full graphs; the adaptive budget keeps full graphs on Model Runner V2 (dense targets). Here, prefer a "
+        "fixed num_speculative_tokens"
+    )
+
+
 DRAFTER_CAPTURE_ONCE_ENV = "VLLM_DDTREE_DRAFTER_CAPTURE_ONCE"
 
 

@@ -139,3 +139,21 @@ def test_drafter_capture_once_replays_nothing_inside_a_capture_pass(monkeypatch)
     capture = {n: guard.use_graphs(drafter_key(n), n) for n in (272, 256, 248, 136, 128, 8)}
     assert profile == [True, False]
     assert capture == {272: True, 256: False, 248: False, 136: False, 128: True, 8: True}
+
+
+def test_a_budget_schedule_on_the_v1_runner_warns_that_full_graphs_are_gone(caplog):
+    """vLLM drops V1 to piecewise graphs under a budget schedule; on GPU with graphs say so, with the fix."""
+    from vllm_ddtree.cuda_graphs import warn_if_budget_schedule_drops_full_graphs
+
+    def config(schedule, eager=False):
+        return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=schedule),
+                               model_config=SimpleNamespace(enforce_eager=eager))
+
+    schedule, cuda, cpu = [[1, 1, 64], [2, 8, 16]], torch.device("cuda"), torch.device("cpu")
+    with caplog.at_level("WARNING", logger="vllm_ddtree"):
+        for cfg, device in ((config(None), cuda), (config(schedule), cpu), (config(schedule, eager=True), cuda)):
+            warn_if_budget_schedule_drops_full_graphs(cfg, device)
+        assert not caplog.records
+        warn_if_budget_schedule_drops_full_graphs(config(schedule), cuda)
+    [record] = caplog.records
+    assert "piecewise" in record.getMessage() and "fixed num_speculative_tokens" in record.getMessage()

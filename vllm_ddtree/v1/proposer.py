@@ -28,6 +28,7 @@ from vllm_ddtree.cuda_graphs import (
     GraphedStep,
     graphs_enabled,
     largest_bucket,
+    warn_if_budget_schedule_drops_full_graphs,
     warn_if_tensor_parallel_graphs,
     warn_if_trees_outgrow_graphs,
 )
@@ -73,6 +74,7 @@ class DDTreeProposer(DFlashProposer):
         tree_backends.install()
         warn_if_trees_outgrow_graphs(vllm_config, self.tree_budget)
         warn_if_tensor_parallel_graphs(vllm_config, device)
+        warn_if_budget_schedule_drops_full_graphs(vllm_config, device)
         logger.info(describe_runner(vllm_config, on_mrv2=False))
 
     def load_model(self, target_model) -> None:

@@ -503,13 +503,13 @@ def _gdn_inputs(case: Case, chain: bool) -> dict:
     )
 
 
-def _gdn_verify(x: dict) -> Step:
+def _gdn_verify(x: dict, leaves=None) -> Step:
     from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
 
     return lambda: tree_fused_sigmoid_gating_delta_rule_update(
         x["A_log"], x["a"], x["b"], x["dt_bias"], x["q"], x["k"], x["v"], x["parents"], initial_state=x["state"],
         cu_seqlens=x["qsl"], ssm_state_indices=x["blocks"], node_states=x["workspace"],
-        node_state_indices=x["stored"], use_qk_l2norm_in_kernel=True)
+        node_state_indices=x["stored"], use_qk_l2norm_in_kernel=True, leaves=leaves)
 
 
 @register("gdn_chain")
@@ -525,6 +525,31 @@ def setup_gdn_tree(case: Case) -> Step:
     """The same over best-first trees, branch nodes' states stored in the float32 workspace (the verify forward in
     the replay layout)."""
     return _gdn_verify(_gdn_inputs(case, chain=False))
+
+
+def _verify_gdn_deferred(case: Case) -> str:
+    """The deferred-leaves run against the one-kernel run: the same arithmetic, so equal up to the compiler's
+    contractions across two kernels."""
+    from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
+
+    x = _gdn_inputs(case, chain=False)
+    o_ref, _ = _gdn_verify(x)()
+    plan = deferred_leaves(x["parents"], x["qsl"])
+    o, _ = _gdn_verify(dict(x, stored=plan.node_state_indices), leaves=plan)()
+    worst = float((o.float() - o_ref.float()).abs().max())
+    return "ok" if worst <= 1e-3 else f"differs from the one-kernel run by {worst:.3g}"
+
+
+@register("gdn_tree_deferred", verify=_verify_gdn_deferred)
+def setup_gdn_tree_deferred(case: Case) -> Step:
+    """``gdn_tree`` with the leaves deferred to the leaf kernel (``tree_gdn.deferred_leaves``, an experiment): the
+    main kernel runs roots and internal nodes, storing each one's state; the leaf split is built once per step for
+    every layer, so it is not timed."""
+    from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
+
+    x = _gdn_inputs(case, chain=False)
+    plan = deferred_leaves(x["parents"], x["qsl"])
+    return _gdn_verify(dict(x, stored=plan.node_state_indices), leaves=plan)
 
 
 @register("gdn_replay")

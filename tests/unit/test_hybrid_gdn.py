@@ -146,6 +146,38 @@ def test_tree_conv_kernel_matches_reference(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_tree_gdn_with_deferred_leaves_computes_the_same_bits(seed):
+    """``deferred_leaves``: the main kernel runs roots and internal nodes, the leaf kernel each leaf from its parent's
+    stored state, in the same arithmetic: outputs bit-equal to the one-kernel run, internal nodes' states too."""
+    from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
+
+    s = make_step(seed, sizes=(7, 1, 13, 4, 9))
+    t = len(s["flat_parents"])
+    o_ref, states_ref = run_tree_gdn(s)
+    plan = deferred_leaves(s["flat_parents"], s["qsl"])
+    o, states = run_tree_gdn(s, node_states=torch.zeros(t, HV, V, K), node_state_indices=plan.node_state_indices,
+                             leaves=plan)
+    internal = plan.node_state_indices >= 0
+    deferred = plan.deferred.bool()
+    assert int(deferred.sum()) >= 8 and int(internal.sum()) >= 8  # both kernels have work in these trees
+    assert torch.equal(o, o_ref)
+    assert torch.equal(states[internal], states_ref[internal])
+    assert not states[deferred].any(), "a deferred leaf's state was stored"
+
+
+def test_deferred_leaves_plan():
+    """Leaves grouped by parent (absolute rows), roots never deferred, internal nodes stored."""
+    from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
+
+    parents = torch.tensor([-1, 0, 0, 1, -1, 0, 1, 0], dtype=torch.int32)  # two requests: rows 0-3, 4-7
+    plan = deferred_leaves(parents, torch.tensor([0, 4, 8], dtype=torch.int32))
+    assert plan.deferred.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert plan.node_state_indices.tolist() == [0, 1, -1, -1, 4, 5, -1, -1]
+    assert plan.leaf_start.tolist() == [0, 1, 2, 2, 2, 3, 4, 4, 4]
+    assert plan.leaf_order[:4].tolist() == [2, 3, 7, 6]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_tree_gdn_kernel_matches_reference(seed):
     s = make_step(seed)
     ssm_before = s["ssm_state"].clone()

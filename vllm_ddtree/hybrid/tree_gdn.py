@@ -13,9 +13,12 @@ bf16 buffer, nodes whose parent is not t-1 would see a rounded state that vLLM's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
 
 @triton.jit
 def _token_inputs(q, k, v, a, b, parents, node_state_indices, token_index, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
@@ -36,14 +39,38 @@ def _token_inputs(q, k, v, a, b, parents, node_state_indices, token_index, tok, 
     return par, s_idx, b_q, b_k, b_v, b_b, b_a
 
 
+@triton.jit
+def _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
+                USE_QK_L2NORM_IN_KERNEL: tl.constexpr):
+    """One token's update of a state tile ``b_h`` [BV, BK] and its output, in vLLM's arithmetic (softplus gate,
+    sigmoid beta, in-kernel q/k L2 norm, decay, delta update, read-out): returns (new state, output)."""
+    x = b_a + dtb
+    softplus_x = tl.where(
+        softplus_beta * x <= threshold, (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)), x
+    )
+    b_g = -A * softplus_x
+    b_beta = tl.sigmoid(b_b)
+    if USE_QK_L2NORM_IN_KERNEL:
+        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
+        b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+    b_q = b_q * scale
+    b_h *= tl.exp(b_g)
+    b_v -= tl.sum(b_h * b_k[None, :], 1)
+    b_v *= b_beta
+    b_h += b_v[:, None] * b_k[None, :]
+    b_o = tl.sum(b_h * b_q[None, :], 1)
+    return b_h, b_o
+
+
 @triton.jit(do_not_specialize=["T"])
 def _tree_gdn_kernel(
     A_log, a, b, dt_bias, q, k, v, o, h0, hs,
-    cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices, token_index,
+    cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices, token_index, deferred,
     softplus_beta, threshold, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     stride_h0: tl.constexpr, stride_hs: tl.constexpr, stride_idx_seq: tl.constexpr,
     IS_SPEC_DECODING: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr, HAS_TOKEN_INDEX: tl.constexpr,
+    DEFER_LEAVES: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -77,35 +104,106 @@ def _tree_gdn_kernel(
     n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
         q, k, v, a, b, parents, node_state_indices, token_index, bos, i_h, i_hv, o_k, o_v, mask_k, mask_v,
         H, HV, K, V, HAS_TOKEN_INDEX)
+    last = bos * 0 - 1  # the token whose state b_h holds (-1: the block's)
     for i_t in range(0, T):
         tok = bos + i_t
         par, s_idx, b_q, b_k, b_v, b_b, b_a = n_par, n_sidx, n_q, n_k, n_v, n_b, n_a
         n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
             q, k, v, a, b, parents, node_state_indices, token_index, bos + tl.minimum(i_t + 1, T - 1), i_h,
             i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, HAS_TOKEN_INDEX)
-        if (i_t > 0) & (par != i_t - 1):
-            p_idx = tl.load(node_state_indices + bos + par).to(tl.int64)
-            b_h = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
-        x = b_a + dtb
-        softplus_x = tl.where(
-            softplus_beta * x <= threshold, (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)), x
-        )
-        b_g = -A * softplus_x
-        b_beta = tl.sigmoid(b_b)
-        if USE_QK_L2NORM_IN_KERNEL:
-            b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
-            b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
-        b_q = b_q * scale
-        b_h *= tl.exp(b_g)
-        b_v -= tl.sum(b_h * b_k[None, :], 1)
-        b_v *= b_beta
-        b_h += b_v[:, None] * b_k[None, :]
-        b_o = tl.sum(b_h * b_q[None, :], 1)
+        run = True
+        if DEFER_LEAVES:  # leaves are the leaf kernel's (tree_gdn_leaves), from their parents' stored states
+            run = tl.load(deferred + tok) == 0
+        if run:
+            if par != last:  # the parent's state is not in registers: reload it (stored by the whole block)
+                p_idx = tl.load(node_state_indices + bos + par).to(tl.int64)
+                b_h = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
+            b_h, b_o = _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
+                                   USE_QK_L2NORM_IN_KERNEL)
+            tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+            if s_idx >= 0:
+                tl.store(hs + s_idx * stride_hs + h_off, b_h.to(hs.dtype.element_ty), mask=mask_h)
+            # A later sibling may reload this state from other threads of the block.
+            tl.debug_barrier()
+            last = bos * 0 + i_t
+
+
+@triton.jit
+def _tree_gdn_leaves_kernel(
+    A_log, a, b, dt_bias, q, k, v, o, hs, node_state_indices, leaf_order, leaf_start,
+    softplus_beta, threshold, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    stride_hs: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+):
+    """Program (v block, parent p, value head): the outputs of p's deferred leaf children, each one token's update
+    of p's stored state (the main kernel's arithmetic; the leaves' own states are never needed). The leaves do not
+    depend on one another, so nothing here waits on a previous token's update."""
+    i_v, p, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first = tl.load(leaf_start + p)
+    end = tl.load(leaf_start + p + 1)
+    if first == end:
+        return
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+    h_off = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    p_idx = tl.load(node_state_indices + p).to(tl.int64)
+    b_hp = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
+    A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+    for j in range(first, end):
+        tok = tl.load(leaf_order + j).to(tl.int64)
+        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+        b_b = tl.load(b + tok * HV + i_hv).to(tl.float32)
+        b_a = tl.load(a + tok * HV + i_hv).to(tl.float32)
+        _, b_o = _gdn_update(b_hp, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
+                             USE_QK_L2NORM_IN_KERNEL)
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-        if s_idx >= 0:
-            tl.store(hs + s_idx * stride_hs + h_off, b_h.to(hs.dtype.element_ty), mask=mask_h)
-        # A later sibling may reload this state from other threads of the block.
-        tl.debug_barrier()
+
+
+@dataclass
+class DeferredLeaves:
+    """A step's split of tree tokens into the main kernel's (roots and nodes with children, every one's state
+    stored) and the leaf kernel's (``deferred_leaves``); built once per step and shared by every GDN layer.
+
+    A best-first tree is bushy (the trained SmolLM2 drafter's B=64 trees: 51.6 leaves and 13.4 nodes with children
+    of 65, 3.1 deep; benchmarks/tree_shapes.py), and the main kernel runs a request's tokens one after another:
+    deferring the leaves leaves it the internal nodes, while the leaves' outputs come from their parents' states in
+    parallel. An experiment until timed on a GPU (``bench_tree_core.py gdn_tree_deferred``)."""
+
+    deferred: torch.Tensor  # [T] int32, 1 for a leaf the leaf kernel computes
+    node_state_indices: torch.Tensor  # [T] int32, the token itself for every node with children, else -1
+    leaf_order: torch.Tensor  # [T] int32 tokens, the deferred leaves first, grouped by parent
+    leaf_start: torch.Tensor  # [T + 1] int32, parent p's leaves are leaf_order[leaf_start[p]:leaf_start[p + 1]]
+
+
+def deferred_leaves(parents: torch.Tensor, query_start_loc: torch.Tensor) -> DeferredLeaves:
+    """The leaf split for sequence-relative ``parents`` [T] (root -1) of requests at ``query_start_loc`` [N+1]
+    (device ops, static shapes, no host sync). Roots are never deferred (their parent state is the block's)."""
+    t = parents.shape[0]
+    dev = parents.device
+    tok = torch.arange(t, device=dev)
+    seq_start = query_start_loc[torch.searchsorted(query_start_loc[1:], tok, right=True)].long()
+    par = parents.long()
+    abs_parent = torch.where(par >= 0, seq_start + par.clamp(min=0), t)
+    children = torch.zeros(t + 1, dtype=torch.int32, device=dev)
+    children.scatter_add_(0, abs_parent, torch.ones(t, dtype=torch.int32, device=dev))
+    internal = children[:t] > 0
+    leaf = (par >= 0) & ~internal
+    key = torch.where(leaf, abs_parent, t)
+    per_parent = torch.zeros(t + 1, dtype=torch.int32, device=dev)
+    per_parent.scatter_add_(0, key, torch.ones(t, dtype=torch.int32, device=dev))
+    leaf_start = torch.zeros(t + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(per_parent[:t], 0, out=leaf_start[1:])
+    return DeferredLeaves(
+        deferred=leaf.to(torch.int32), node_state_indices=torch.where(internal, tok, -1).to(torch.int32),
+        leaf_order=torch.sort(key, stable=True).indices.to(torch.int32), leaf_start=leaf_start,
+    )
 
 
 def tree_fused_sigmoid_gating_delta_rule_update(
@@ -128,6 +226,7 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     node_state_indices: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     token_index: torch.Tensor | None = None,
+    leaves: DeferredLeaves | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's ``fused_sigmoid_gating_delta_rule_update`` (varlen, continuous batching) over trees.
 
@@ -140,7 +239,10 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     leave both None for a transient float32 workspace ``[T, HV, V, K]``. Returns (o ``[1, T, HV, V]``,
     node_states). Unlike vLLM, initial_state is never written. token_index ``[T']`` (optional): token t reads its
     q, k, v, a, b from row ``token_index[t]``, so a path through earlier tokens runs without copying them
-    (``relayout.replay_accepted_path``); T is then T' and every other per-token tensor is T' long.
+    (``relayout.replay_accepted_path``); T is then T' and every other per-token tensor is T' long. leaves
+    (optional, ``deferred_leaves``; not with token_index): the leaves' outputs computed by the leaf kernel from
+    their parents' states; node_state_indices must then be ``leaves.node_state_indices``, the states of leaves are
+    not stored, and node_states must be given.
     """
     _, T, H, K = k.shape
     if token_index is not None:
@@ -163,10 +265,19 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     _tree_gdn_kernel[(triton.cdiv(V, BV), N * HV)](
         A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(), v.contiguous(), o,
         initial_state, node_states, cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices,
-        parents if token_index is None else token_index, beta, threshold, scale, T,
+        parents if token_index is None else token_index, parents if leaves is None else leaves.deferred,
+        beta, threshold, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         stride_h0=initial_state.stride(0), stride_hs=node_states.stride(0), stride_idx_seq=stride_idx_seq,
         IS_SPEC_DECODING=num_accepted_tokens is not None, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
-        HAS_TOKEN_INDEX=token_index is not None, num_warps=4,
+        HAS_TOKEN_INDEX=token_index is not None, DEFER_LEAVES=leaves is not None, num_warps=4,
     )
+    if leaves is not None:
+        assert token_index is None and node_state_indices is leaves.node_state_indices
+        _tree_gdn_leaves_kernel[(triton.cdiv(V, BV), T, HV)](
+            A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(), v.contiguous(), o,
+            node_states, leaves.node_state_indices, leaves.leaf_order, leaves.leaf_start, beta, threshold, scale,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, stride_hs=node_states.stride(0),
+            USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel, num_warps=4,
+        )
     return o, node_states

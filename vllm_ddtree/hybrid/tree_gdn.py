@@ -31,12 +31,33 @@ def _token_inputs(q, k, v, a, b, parents, node_state_indices, token_index, tok, 
         src = tok
     par = tl.load(parents + tok).to(tl.int64)
     s_idx = tl.load(node_state_indices + tok).to(tl.int64)
+    b_q, b_k, b_v, b_b, b_a = _qkvba(q, k, v, a, b, src, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V)
+    return par, s_idx, b_q, b_k, b_v, b_b, b_a
+
+
+@triton.jit
+def _qkvba(q, k, v, a, b, src, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Row ``src``'s q, k (head ``i_h``), v block, b and a (value head ``i_hv``), in float32."""
     b_q = tl.load(q + (src * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
     b_k = tl.load(k + (src * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
     b_v = tl.load(v + (src * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
     b_b = tl.load(b + src * HV + i_hv).to(tl.float32)
     b_a = tl.load(a + src * HV + i_hv).to(tl.float32)
-    return par, s_idx, b_q, b_k, b_v, b_b, b_a
+    return b_q, b_k, b_v, b_b, b_a
+
+
+@triton.jit
+def _state_tile(i_v, i_hv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """A program's [BV, BK] tile of one value head's state: offsets within the k and v axes, their masks, and the
+    tile's offsets within a [HV, V, K] state."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+    h_off = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    return o_k, o_v, mask_k, mask_v, mask_h, h_off
 
 
 @triton.jit
@@ -87,12 +108,7 @@ def _tree_gdn_kernel(
     if state_idx <= 0:  # vLLM's NULL_BLOCK_ID = 0 marks a padded sequence
         return
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k = o_k < K
-    mask_v = o_v < V
-    mask_h = mask_v[:, None] & mask_k[None, :]
-    h_off = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    o_k, o_v, mask_k, mask_v, mask_h, h_off = _state_tile(i_v, i_hv, K, V, BK, BV)
     b_h = tl.load(h0 + state_idx * stride_h0 + h_off, mask=mask_h, other=0).to(tl.float32)
     A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     dtb = tl.load(dt_bias + i_hv).to(tl.float32)
@@ -144,23 +160,14 @@ def _tree_gdn_leaves_kernel(
     if first == end:
         return
     i_h = i_hv // (HV // H)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k = o_k < K
-    mask_v = o_v < V
-    mask_h = mask_v[:, None] & mask_k[None, :]
-    h_off = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    o_k, o_v, mask_k, mask_v, mask_h, h_off = _state_tile(i_v, i_hv, K, V, BK, BV)
     p_idx = tl.load(node_state_indices + p).to(tl.int64)
     b_hp = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
     A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     dtb = tl.load(dt_bias + i_hv).to(tl.float32)
     for j in range(first, end):
         tok = tl.load(leaf_order + j).to(tl.int64)
-        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-        b_b = tl.load(b + tok * HV + i_hv).to(tl.float32)
-        b_a = tl.load(a + tok * HV + i_hv).to(tl.float32)
+        b_q, b_k, b_v, b_b, b_a = _qkvba(q, k, v, a, b, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V)
         _, b_o = _gdn_update(b_hp, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
                              USE_QK_L2NORM_IN_KERNEL)
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)

@@ -474,11 +474,21 @@ GDN_HEADS_QK, GDN_HEADS_V, GDN_DIM = 16, 48, 128  # Qwen3.6-27B: linear_num_key_
 GDN_LAYERS = 48  # its GDN layers: a step pays each benchmark below this many times
 
 
+def _branch_nodes(parents: torch.Tensor, qsl: torch.Tensor) -> torch.Tensor:
+    """The nodes with a child other than the next token (what the one-kernel verify stored until 2026-12-04; none
+    in a chain): their own rows, -1 elsewhere."""
+    p, starts = parents.tolist(), qsl.tolist()
+    stored = [-1] * len(p)
+    for s0, s1 in zip(starts[:-1], starts[1:]):
+        for t in range(s0, s1):
+            if p[t] >= 0 and p[t] != t - s0 - 1:
+                stored[s0 + p[t]] = s0 + p[t]
+    return torch.tensor(stored, dtype=torch.int32, device=parents.device)
+
+
 def _gdn_inputs(case: Case, chain: bool) -> dict:
     """One GDN layer's verify inputs for ``batch`` requests of ``1 + budget`` tokens: best-first trees (``_built_tree``)
     or chains, q/k/v/a/b in the case's dtype, one float32 state block per request, the branch-node indices."""
-    from vllm_ddtree.hybrid.relayout import branch_node_indices
-
     dev, n, hk, hv, d = case.device, case.budget + 1, GDN_HEADS_QK, GDN_HEADS_V, GDN_DIM
     if case.device == "cpu":
         hk, hv, d = 2, 4, 16
@@ -499,7 +509,7 @@ def _gdn_inputs(case: Case, chain: bool) -> dict:
         b=randn(tokens, hv), parents=parents, qsl=qsl,
         blocks=torch.arange(1, case.batch + 1, dtype=torch.int32, device=dev)[:, None],
         state=torch.randn(case.batch + 1, hv, d, d, generator=gen, device=dev) * 0.1,
-        workspace=torch.zeros(tokens, hv, d, d, device=dev), stored=branch_node_indices(parents, qsl),
+        workspace=torch.zeros(tokens, hv, d, d, device=dev), stored=_branch_nodes(parents, qsl),
     )
 
 
@@ -523,7 +533,7 @@ def setup_gdn_chain(case: Case) -> Step:
 @register("gdn_tree")
 def setup_gdn_tree(case: Case) -> Step:
     """The same over best-first trees, branch nodes' states stored in the float32 workspace (the verify forward in
-    the replay layout)."""
+    the replay layout until 2026-12-04; now ``gdn_tree_deferred``)."""
     return _gdn_verify(_gdn_inputs(case, chain=False))
 
 
@@ -542,14 +552,38 @@ def _verify_gdn_deferred(case: Case) -> str:
 
 @register("gdn_tree_deferred", verify=_verify_gdn_deferred)
 def setup_gdn_tree_deferred(case: Case) -> Step:
-    """``gdn_tree`` with the leaves deferred to the leaf kernel (``tree_gdn.deferred_leaves``, an experiment): the
-    main kernel runs roots and internal nodes, storing each one's state; the leaf split is built once per step for
-    every layer, so it is not timed."""
+    """``gdn_tree`` with the leaves deferred to the leaf kernel (``tree_gdn.deferred_leaves``; what the verify
+    forward runs since 2026-12-04): the main kernel runs roots and nodes with children, storing each one's state,
+    one program per leaf the leaves; the split is built once per step for every layer, so it is not timed."""
     from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
 
     x = _gdn_inputs(case, chain=False)
     plan = deferred_leaves(x["parents"], x["qsl"])
     return _gdn_verify(dict(x, stored=plan.node_state_indices), leaves=plan)
+
+
+@register("gdn_conv")
+def setup_gdn_conv(case: Case) -> Step:
+    """One GDN layer's tree causal-conv1d over the same trees (``tree_conv.tree_causal_conv1d_update``: Qwen3.6-27B's
+    conv dimension 2 x 16 x 128 + 48 x 128 at TP=1, width 4, bf16 slots of width - 1 + B columns; the windows are
+    built once per step for every layer, so they are not timed). The H200 profile of 2026-12-04 had the
+    token-serial version at 26.7 us per layer (batch 1, B=64) against vLLM's chain conv's 5.4."""
+    from vllm_ddtree.hybrid.tree_conv import tree_causal_conv1d_update, tree_conv_window
+
+    x = _gdn_inputs(case, chain=False)
+    width, n = 4, case.budget + 1
+    dim = (2 * GDN_HEADS_QK + GDN_HEADS_V) * GDN_DIM if case.device != "cpu" else 64
+    gen = torch.Generator(device=case.device).manual_seed(6)
+    tokens = case.batch * n
+    xs = torch.randn(tokens, dim, generator=gen, device=case.device).to(case.dtype)
+    conv_state = torch.randn(case.batch + 1, dim, width - 1 + case.budget, generator=gen, device=case.device).to(
+        case.dtype)
+    weight = torch.randn(dim, width, generator=gen, device=case.device).to(case.dtype)
+    slots = x["blocks"][:, 0].contiguous()
+    accepted = torch.ones(case.batch, dtype=torch.int32, device=case.device)
+    window = tree_conv_window(x["parents"], x["qsl"], width)
+    return lambda: tree_causal_conv1d_update(xs, conv_state, weight, None, "silu", slots, accepted, x["qsl"], n,
+                                             window)
 
 
 @register("gdn_replay")

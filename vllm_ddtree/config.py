@@ -234,9 +234,22 @@ def mrv2_gaps(vllm_config: Any) -> list[str]:
     return gaps
 
 
-def runs_on_mrv2(vllm_config: Any) -> bool:
-    """Whether this ddtree engine runs on Model Runner V2 (then async scheduling works as for the DFlash chain)."""
-    return vllm_config.use_v2_model_runner
+def schedules_async_by_default(vllm_config: Any) -> bool:
+    """Whether ddtree schedules asynchronously without --async-scheduling (patch 0001 asks; vLLM's own
+    incompatibilities still turn it off): on CUDA, on either model runner, as vLLM does for the DFlash chain.
+
+    On the V1 runner (hybrid targets, and what Model Runner V2 cannot run) this is the default since 2026-12-04:
+    lossless there on an H200 (dense float32 greedy equality, 2026-11-30; the tiny Qwen3.5's teacher-forced test
+    with CUDA graphs, 2026-12-04), and a Qwen3.6-27B-shaped B=64 step then cost +26% over the chain's where it had
+    cost +54% synchronously (benchmarks/README.md). Except with a budget schedule on V1: never run asynchronously
+    there (and vLLM keeps only piecewise graphs for it, ``cuda_graphs.warn_if_budget_schedule_drops_full_graphs``).
+    Off elsewhere: vLLM's CPU engine cannot run it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return False
+    schedule = getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None)
+    return bool(vllm_config.use_v2_model_runner) or schedule is None
 
 
 def describe_runner(vllm_config: Any, on_mrv2: bool) -> str:

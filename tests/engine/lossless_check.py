@@ -47,7 +47,8 @@ Tokens = tuple[int, ...]
 # its 3-4 minute runs on the H200, so the phase is repeated and the next call reuses them). Unset: every run runs.
 RUN_CACHE_ENV = "VLLM_DDTREE_TEST_RUN_CACHE"
 # What else decides a run's output: the engine process's environment (gpu_session.sh) and the code.
-RUN_ENV_KEYS = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_DDTREE_TEST_ATTENTION_BACKEND", "VLLM_DDTREE_TEST_CUDA_GRAPHS")
+RUN_ENV_KEYS = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_DDTREE_TEST_ATTENTION_BACKEND", "VLLM_DDTREE_TEST_CUDA_GRAPHS",
+                "VLLM_DDTREE_TEST_ASYNC_SCHEDULING")
 ROOT = Path(__file__).resolve().parents[2]
 GPU_KV_CACHE_BYTES = 1 << 30  # the tiny targets' runs need a few MiB of it
 T = TypeVar("T")

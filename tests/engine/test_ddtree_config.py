@@ -205,9 +205,9 @@ def test_the_cpu_engine_runs_ddtree_on_the_v1_runner(tiny_llama_dir, tiny_llama_
 @pytest.mark.parametrize("v2_env, on_v2", [(None, True), ("0", False)])
 def test_ddtree_runs_on_model_runner_v2_on_a_gpu_platform(tiny_llama_dir, tiny_llama_dflash_dir, monkeypatch, v2_env,
                                                            on_v2):
-    """On a platform where Model Runner V2 can run (faked here: CUDA and Triton), ddtree uses it with nothing set,
-    with async scheduling on as for the DFlash chain; VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's own switch) still selects
-    the V1 runner, where async scheduling stays off by default."""
+    """On a platform where Model Runner V2 can run (faked here: CUDA and Triton), ddtree uses it with nothing set;
+    VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's own switch) still selects the V1 runner. (Async scheduling by default on
+    either: test_mrv2_ddtree; the faked platform's CPU engine turns it off here.)"""
     import inspect
 
     import vllm.config.vllm as vllm_config_module

@@ -19,9 +19,9 @@ from vllm_ddtree.hybrid.reference import (
     gdn_tree_reference,
     relayout_reference,
 )
-from vllm_ddtree.hybrid.relayout import branch_node_indices, relayout_accepted_path, replay_accepted_path
+from vllm_ddtree.hybrid.relayout import relayout_accepted_path, replay_accepted_path
 from vllm_ddtree.hybrid.tree_conv import flat_token_parents, tree_causal_conv1d_update, tree_conv_window
-from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
+from vllm_ddtree.hybrid.tree_gdn import deferred_leaves, tree_fused_sigmoid_gating_delta_rule_update
 
 H, HV, K, V, W = 2, 4, 16, 16, 4
 DIM = 2 * H * K + HV * V
@@ -93,11 +93,11 @@ def make_step(seed: int, chain: bool = False, sizes=(7, 1, 13, 4)):
                 q=q, k=k, v=v, a=a, b=b, max_len=max(sizes))
 
 
-def run_tree_conv(s, conv_state):
+def run_tree_conv(s, conv_state, max_query_len=None):
     window = tree_conv_window(s["flat_parents"], s["qsl"], W)
     slots = s["spec_idx"][:, 0]  # a strided column, as vLLM passes it (_forward_core)
     return tree_causal_conv1d_update(s["x"], conv_state, s["weight"], s["bias"], "silu", slots, s["num_acc"], s["qsl"],
-                                     s["max_len"], window)
+                                     s["max_len"] if max_query_len is None else max_query_len, window)
 
 
 def run_tree_gdn(s, **kw):
@@ -145,12 +145,24 @@ def test_tree_conv_kernel_matches_reference(seed):
         torch.testing.assert_close(conv_state[slot], roll, rtol=0, atol=0)
 
 
+def test_tree_conv_does_not_trust_max_query_len():
+    """vLLM passes ``max_query_len=spec_state_indices_tensor.size(-1)``: 1 + B on its full-graph path, but 1 in the
+    replay layout wherever the GDN metadata skips its graph buffers (a verify batched with a prefill, or more verify
+    tokens than its largest decode graph). Outputs and the rolled slot must not change (until 2026-12-04 the roll
+    then kept only the first columns of the slot)."""
+    s = make_step(2)
+    assert s["max_len"] > 4
+    conv_a, conv_b = s["conv_state"].clone(), s["conv_state"].clone()
+    out_a = run_tree_conv(s, conv_a)
+    out_b = run_tree_conv(s, conv_b, max_query_len=1)
+    assert torch.equal(out_a, out_b)
+    assert torch.equal(conv_a, conv_b)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tree_gdn_with_deferred_leaves_computes_the_same_bits(seed):
     """``deferred_leaves``: the main kernel runs roots and internal nodes, the leaf kernel each leaf from its parent's
     stored state, in the same arithmetic: outputs bit-equal to the one-kernel run, internal nodes' states too."""
-    from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
-
     s = make_step(seed, sizes=(7, 1, 13, 4, 9))
     t = len(s["flat_parents"])
     o_ref, states_ref = run_tree_gdn(s)
@@ -166,15 +178,15 @@ def test_tree_gdn_with_deferred_leaves_computes_the_same_bits(seed):
 
 
 def test_deferred_leaves_plan():
-    """Leaves grouped by parent (absolute rows), roots never deferred, internal nodes stored."""
-    from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
-
+    """Each request's roots and nodes with children in order for the main kernel, every leaf pointing at its
+    parent's stored state (absolute rows), roots never deferred."""
     parents = torch.tensor([-1, 0, 0, 1, -1, 0, 1, 0], dtype=torch.int32)  # two requests: rows 0-3, 4-7
     plan = deferred_leaves(parents, torch.tensor([0, 4, 8], dtype=torch.int32))
-    assert plan.deferred.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert plan.deferred.tolist() == [False, False, True, True, False, False, True, True]
     assert plan.node_state_indices.tolist() == [0, 1, -1, -1, 4, 5, -1, -1]
-    assert plan.leaf_start.tolist() == [0, 1, 2, 2, 2, 3, 4, 4, 4]
-    assert plan.leaf_order[:4].tolist() == [2, 3, 7, 6]
+    assert plan.main_order[:4].tolist() == [0, 1, 4, 5]
+    assert plan.main_start.tolist() == [0, 2, 4]
+    assert plan.leaf_state_rows.tolist() == [-1, -1, 0, 1, -1, -1, 5, 4]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -265,10 +277,11 @@ def test_relayout_then_vllm_chain_continues(mode):
         seq = torch.arange(len(s["parents"])).repeat_interleave(s["qsl"].diff())
         node_idx = s["spec_idx"][seq, rel].int()
         o, node_states = run_tree_gdn(dict(s, ssm_state=ssm_t), node_states=ssm_t, node_state_indices=node_idx)
-    elif mode == "replay":  # store only branch points in a per-layer workspace, recompute the path afterwards
-        node_idx = branch_node_indices(s["flat_parents"], s["qsl"])
+    elif mode == "replay":  # nodes with children in a per-layer workspace, leaves deferred; the path recomputed
+        plan = deferred_leaves(s["flat_parents"], s["qsl"])
+        node_idx = plan.node_state_indices
         assert 0 < int((node_idx >= 0).sum()) < t
-        o, _ = run_tree_gdn(s, node_states=torch.zeros(t, HV, V, K), node_state_indices=node_idx)
+        o, _ = run_tree_gdn(s, node_states=torch.zeros(t, HV, V, K), node_state_indices=node_idx, leaves=plan)
         node_states = None
     else:
         o, node_states = run_tree_gdn(s)

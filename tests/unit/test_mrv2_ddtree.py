@@ -76,8 +76,25 @@ def test_on_cuda_model_runner_v2_has_no_gaps(on_cuda):
     assert ddtree_config.mrv2_gaps(mrv2_vllm_config()) == []
     schedule = {"speculative_config__num_speculative_tokens_per_batch_size": [[1, 1, 64], [2, 8, 16]]}
     assert ddtree_config.mrv2_gaps(mrv2_vllm_config(**schedule)) == []  # the adaptive budget runs on it too
-    assert ddtree_config.runs_on_mrv2(SimpleNamespace(use_v2_model_runner=True)) is True
-    assert ddtree_config.runs_on_mrv2(SimpleNamespace(use_v2_model_runner=False)) is False
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_ddtree_schedules_asynchronously_by_default_on_cuda_only(monkeypatch, cuda):
+    """On either runner on CUDA, as vLLM's DFlash chain, but for a budget schedule on V1 (never run there); the CPU
+    engine cannot."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: cuda)
+
+    def config(on_v2, schedule=None):
+        spec = SimpleNamespace(num_speculative_tokens_per_batch_size=schedule)
+        return SimpleNamespace(use_v2_model_runner=on_v2, speculative_config=spec)
+
+    schedule = [[1, 1, 64], [2, 8, 16]]
+    assert ddtree_config.schedules_async_by_default(config(True)) is cuda
+    assert ddtree_config.schedules_async_by_default(config(False)) is cuda
+    assert ddtree_config.schedules_async_by_default(config(True, schedule)) is cuda
+    assert ddtree_config.schedules_async_by_default(config(False, schedule)) is False
 
 
 @pytest.mark.parametrize(

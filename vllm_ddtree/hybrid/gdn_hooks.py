@@ -24,7 +24,7 @@ import torch
 from vllm_ddtree.hybrid.replay_layout import ReplayStash
 from vllm_ddtree.hybrid.spec_parents import spec_token_parents
 from vllm_ddtree.hybrid.tree_conv import tree_causal_conv1d_update, tree_conv_window
-from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
+from vllm_ddtree.hybrid.tree_gdn import DeferredLeaves, tree_fused_sigmoid_gating_delta_rule_update
 
 
 def forward_gdn_metadata() -> tuple[Any, Any]:
@@ -56,10 +56,10 @@ class GDNTreeHooks:
         replay: ReplayStash,
         metadata_source: Callable[[], tuple[Any, Any]] = forward_gdn_metadata,
     ):
-        """``replay``: the replay layout's stash, where each layer's inputs and the branch nodes' states go."""
+        """``replay``: the replay layout's stash, where each layer's inputs and the states of nodes with children go."""
         self.trees = trees
         self.replay = replay
-        self.node_state_indices = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.leaves: DeferredLeaves | None = None  # this forward's split of tree nodes (ReplayStash.record_step)
         self.tree_rows = tree_rows
         self.conv_width = conv_width
         self.metadata_source = metadata_source
@@ -77,8 +77,8 @@ class GDNTreeHooks:
                 metadata.spec_sequence_masks, metadata.spec_query_start_loc, self.trees.parents, self.tree_rows, parents
             )
             window.copy_(tree_conv_window(parents, query_start_loc, self.conv_width))
-            self.node_state_indices[:num_tokens].copy_(
-                self.replay.record_step(metadata.spec_sequence_masks, metadata.spec_query_start_loc, parents))
+            self.leaves = self.replay.record_step(metadata.spec_sequence_masks, metadata.spec_query_start_loc,
+                                                  parents)
             self._computed_for = key
         return parents, window
 
@@ -119,15 +119,16 @@ class GDNTreeHooks:
         use_qk_l2norm_in_kernel: bool = False,
         **_unused,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``fused_sigmoid_gating_delta_rule_update`` for spec tokens: branch nodes' states to the stash's workspace,
-        this layer's inputs to the stash; the request's one block (every spec column names it) is read, not written."""
+        """``fused_sigmoid_gating_delta_rule_update`` for spec tokens: the states of nodes with children to the
+        stash's workspace, each leaf's output from its parent's (deferred leaves), this layer's inputs to the stash;
+        the request's one block (every spec column names it) is read, not written."""
         num_tokens = q.shape[1]
         parents, _ = self.step_parents(num_tokens, cu_seqlens)
         self.replay.keep(self.replay.layer(A_log), q, k, v, a, b)
         o, _ = tree_fused_sigmoid_gating_delta_rule_update(
             A_log, a, b, dt_bias, q, k, v, parents,
             initial_state=initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices[:, :1],
-            node_states=self.replay.node_states, node_state_indices=self.node_state_indices[:num_tokens],
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            node_states=self.replay.node_states, node_state_indices=self.leaves.node_state_indices,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, leaves=self.leaves,
         )
         return o, initial_state

@@ -96,25 +96,6 @@ def relayout_accepted_path(
     apply_relayout(conv_state, ssm_state, plan, node_states)
 
 
-def branch_node_indices(parents: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
-    """node_state_indices storing only nodes the tree kernel must reload: those with a child other than the next node.
-
-    ``[T]`` int32, -1 for nodes whose state is never reloaded (their only child, if any, is the next token, which
-    keeps the state in registers). For the replay path (``replay_accepted_path``) this cuts the per-layer workspace
-    traffic to the branch points; the workspace rows stay indexed by token, so its size is unchanged.
-    """
-    t = parents.shape[0]
-    tok = torch.arange(t, device=parents.device)
-    seq_start = query_start_loc[torch.searchsorted(query_start_loc[1:], tok, right=True)].long()
-    par = parents.long()
-    far = (par >= 0) & (par != tok - seq_start - 1)
-    # Mark each far child's parent with a scatter (slot t takes the rest): no boolean-mask indexing, whose
-    # data-dependent shape a CUDA graph cannot capture.
-    need = torch.zeros(t + 1, dtype=torch.int32, device=parents.device)
-    need.scatter_(0, torch.where(far, seq_start + par.clamp(min=0), t), 1)
-    return torch.where(need[:t] > 0, tok, -1).to(torch.int32)
-
-
 @dataclass
 class ReplayPlan:
     """The index work of a replay (``replay_plan``), shared by every GDN layer whose tokens sit in the same rows: each

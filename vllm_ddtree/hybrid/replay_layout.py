@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from vllm_ddtree.hybrid.relayout import branch_node_indices
+from vllm_ddtree.hybrid.tree_gdn import DeferredLeaves, deferred_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +82,22 @@ class ReplayStash:
         return index
 
     def record_step(self, spec_sequence_masks: torch.Tensor, spec_query_start_loc: torch.Tensor,
-                    parents: torch.Tensor) -> torch.Tensor:
-        """Once per forward: each batch row's first spec token (-1: not a spec sequence), and which nodes the tree
-        kernel must store (branch points; rows by token). Returns the ``[T]`` node-state indices."""
+                    parents: torch.Tensor) -> DeferredLeaves:
+        """Once per forward: each batch row's first spec token (-1: not a spec sequence), and the tree kernel's split
+        of this step's nodes (``tree_gdn.deferred_leaves``: the nodes with children run one after another and store
+        their states, rows by token; each leaf is computed from its parent's state on its own). Shared by every
+        layer."""
         rows = spec_sequence_masks.shape[0]
         mask = spec_sequence_masks.to(torch.bool)
         spec_index = (torch.cumsum(mask.to(torch.int64), 0) - 1).clamp(min=0)
         starts = spec_query_start_loc.to(torch.int64)[spec_index.clamp(max=spec_query_start_loc.shape[0] - 1)]
         self.row_start[:rows].copy_(torch.where(mask, starts, -1))
         self.row_start[rows:].fill_(-1)
-        branch = branch_node_indices(parents, spec_query_start_loc)
+        plan = deferred_leaves(parents, spec_query_start_loc)
         # Tokens past the stash are graph padding (no spec sequence holds them): never stored, never read.
-        return torch.where(branch < self.max_tokens, branch, -1)
+        stored, leaf_rows = plan.node_state_indices, plan.leaf_state_rows
+        return dataclasses.replace(plan, node_state_indices=torch.where(stored < self.max_tokens, stored, -1),
+                                   leaf_state_rows=torch.where(leaf_rows < self.max_tokens, leaf_rows, -1))
 
     def keep(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
              b: torch.Tensor) -> None:

@@ -86,8 +86,8 @@ def _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, 
 @triton.jit(do_not_specialize=["T"])
 def _tree_gdn_kernel(
     A_log, a, b, dt_bias, q, k, v, o, h0, hs,
-    cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices, token_index, deferred,
-    softplus_beta, threshold, scale, T,
+    cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices, token_index, main_order,
+    main_start, softplus_beta, threshold, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     stride_h0: tl.constexpr, stride_hs: tl.constexpr, stride_idx_seq: tl.constexpr,
     IS_SPEC_DECODING: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr, HAS_TOKEN_INDEX: tl.constexpr,
@@ -117,60 +117,69 @@ def _tree_gdn_kernel(
     # each program runs its tokens one after another, and a layer's time is that chain of per-token latencies
     # (H200, one Qwen3.6-27B GDN layer, graphed: 25-30% less than loading each token's inputs at its turn,
     # benchmarks/README.md 2026-12-04). Both orders compute the same bits.
+    if DEFER_LEAVES:  # only the roots and nodes with children (main_order); the leaves are the leaf kernel's
+        m0 = tl.load(main_start + i_n).to(tl.int64)
+        T = tl.load(main_start + i_n + 1).to(tl.int64) - m0
+    else:
+        m0 = bos
+    n_tok = _nth_token(main_order, m0, 0, bos, DEFER_LEAVES)
     n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
-        q, k, v, a, b, parents, node_state_indices, token_index, bos, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+        q, k, v, a, b, parents, node_state_indices, token_index, n_tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
         H, HV, K, V, HAS_TOKEN_INDEX)
     last = bos * 0 - 1  # the token whose state b_h holds (-1: the block's)
     for i_t in range(0, T):
-        tok = bos + i_t
+        tok = n_tok
         par, s_idx, b_q, b_k, b_v, b_b, b_a = n_par, n_sidx, n_q, n_k, n_v, n_b, n_a
+        n_tok = _nth_token(main_order, m0, tl.minimum(i_t + 1, T - 1), bos, DEFER_LEAVES)
         n_par, n_sidx, n_q, n_k, n_v, n_b, n_a = _token_inputs(
-            q, k, v, a, b, parents, node_state_indices, token_index, bos + tl.minimum(i_t + 1, T - 1), i_h,
-            i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, HAS_TOKEN_INDEX)
-        run = True
-        if DEFER_LEAVES:  # leaves are the leaf kernel's (tree_gdn_leaves), from their parents' stored states
-            run = tl.load(deferred + tok) == 0
-        if run:
-            if par != last:  # the parent's state is not in registers: reload it (stored by the whole block)
-                p_idx = tl.load(node_state_indices + bos + par).to(tl.int64)
-                b_h = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
-            b_h, b_o = _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
-                                   USE_QK_L2NORM_IN_KERNEL)
-            tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-            if s_idx >= 0:
-                tl.store(hs + s_idx * stride_hs + h_off, b_h.to(hs.dtype.element_ty), mask=mask_h)
-            # A later sibling may reload this state from other threads of the block.
-            tl.debug_barrier()
-            last = bos * 0 + i_t
+            q, k, v, a, b, parents, node_state_indices, token_index, n_tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+            H, HV, K, V, HAS_TOKEN_INDEX)
+        if par != last:  # the parent's state is not in registers: reload it (stored by the whole block)
+            p_idx = tl.load(node_state_indices + bos + par).to(tl.int64)
+            b_h = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
+        b_h, b_o = _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
+                               USE_QK_L2NORM_IN_KERNEL)
+        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        if s_idx >= 0:
+            tl.store(hs + s_idx * stride_hs + h_off, b_h.to(hs.dtype.element_ty), mask=mask_h)
+        # A later sibling may reload this state from other threads of the block.
+        tl.debug_barrier()
+        last = tok - bos
+
+
+@triton.jit
+def _nth_token(main_order, m0, i, bos, DEFER_LEAVES: tl.constexpr):
+    """The i-th token a main-kernel program runs: its request's i-th token, or its i-th root or node with children
+    with the leaves deferred."""
+    if DEFER_LEAVES:
+        return tl.load(main_order + m0 + i).to(tl.int64)
+    return bos + i
 
 
 @triton.jit
 def _tree_gdn_leaves_kernel(
-    A_log, a, b, dt_bias, q, k, v, o, hs, node_state_indices, leaf_order, leaf_start,
+    A_log, a, b, dt_bias, q, k, v, o, hs, leaf_state_rows,
     softplus_beta, threshold, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     stride_hs: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
 ):
-    """Program (v block, parent p, value head): the outputs of p's deferred leaf children, each one token's update
-    of p's stored state (the main kernel's arithmetic; the leaves' own states are never needed). The leaves do not
-    depend on one another, so nothing here waits on a previous token's update."""
-    i_v, p, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    first = tl.load(leaf_start + p)
-    end = tl.load(leaf_start + p + 1)
-    if first == end:
+    """Program (v block, token, value head): a deferred leaf's output, one update of its parent's stored state (the
+    main kernel's arithmetic; a leaf's own state is never needed). No leaf waits on another, siblings included;
+    siblings' programs are adjacent, so their parent's tile is read from L2 after the first."""
+    i_v, tok, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = tl.load(leaf_state_rows + tok).to(tl.int64)
+    if row < 0:  # not a deferred leaf
         return
     i_h = i_hv // (HV // H)
     o_k, o_v, mask_k, mask_v, mask_h, h_off = _state_tile(i_v, i_hv, K, V, BK, BV)
-    p_idx = tl.load(node_state_indices + p).to(tl.int64)
-    b_hp = tl.load(hs + p_idx * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
+    b_h = tl.load(hs + row * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
     A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     dtb = tl.load(dt_bias + i_hv).to(tl.float32)
-    for j in range(first, end):
-        tok = tl.load(leaf_order + j).to(tl.int64)
-        b_q, b_k, b_v, b_b, b_a = _qkvba(q, k, v, a, b, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V)
-        _, b_o = _gdn_update(b_hp, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
-                             USE_QK_L2NORM_IN_KERNEL)
-        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+    b_q, b_k, b_v, b_b, b_a = _qkvba(q, k, v, a, b, tok.to(tl.int64), i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K,
+                                     V)
+    _, b_o = _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
+                         USE_QK_L2NORM_IN_KERNEL)
+    tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
 
 
 @dataclass
@@ -180,36 +189,48 @@ class DeferredLeaves:
 
     A best-first tree is bushy (the trained SmolLM2 drafter's B=64 trees: 51.6 leaves and 13.4 nodes with children
     of 65, 3.1 deep; benchmarks/tree_shapes.py), and the main kernel runs a request's tokens one after another:
-    deferring the leaves leaves it the internal nodes, while the leaves' outputs come from their parents' states in
-    parallel. An experiment until timed on a GPU (``bench_tree_core.py gdn_tree_deferred``)."""
+    deferring the leaves leaves it the nodes with children, while every leaf's output comes from its parent's state
+    in a program of its own. The verify forward's split in the replay layout (``ReplayStash.record_step``). H200,
+    one Qwen3.6-27B GDN layer, graphed, us (batch 1 B=16 / B=64, batch 8 B=16 / B=64): 29.2 / 86.6 / 112.5 / 393.6
+    in one kernel, 22.7 / 57.2 / 116.0 / 388.3 deferred (``bench_tree_core.py gdn_tree,gdn_tree_deferred``,
+    benchmarks/README.md 2026-12-04). A first version with one program per parent over its leaves lost (52 / 148 /
+    162 / 561): a root's dozens of leaves then ran one after another."""
 
-    deferred: torch.Tensor  # [T] int32, 1 for a leaf the leaf kernel computes
     node_state_indices: torch.Tensor  # [T] int32, the token itself for every node with children, else -1
-    leaf_order: torch.Tensor  # [T] int32 tokens, the deferred leaves first, grouped by parent
-    leaf_start: torch.Tensor  # [T + 1] int32, parent p's leaves are leaf_order[leaf_start[p]:leaf_start[p + 1]]
+    main_order: torch.Tensor  # [T] int32 tokens: each request's roots and nodes with children in order, then leaves
+    main_start: torch.Tensor  # [N + 1] int32, request n's are main_order[main_start[n]:main_start[n + 1]]
+    leaf_state_rows: torch.Tensor  # [T] int32, a deferred leaf's parent's node-state row, else -1
+
+    @property
+    def deferred(self) -> torch.Tensor:
+        """[T] bool, the leaves the leaf kernel computes."""
+        return self.leaf_state_rows >= 0
 
 
 def deferred_leaves(parents: torch.Tensor, query_start_loc: torch.Tensor) -> DeferredLeaves:
     """The leaf split for sequence-relative ``parents`` [T] (root -1) of requests at ``query_start_loc`` [N+1]
     (device ops, static shapes, no host sync). Roots are never deferred (their parent state is the block's)."""
-    t = parents.shape[0]
+    t, n = parents.shape[0], query_start_loc.shape[0] - 1
     dev = parents.device
     tok = torch.arange(t, device=dev)
-    seq_start = query_start_loc[torch.searchsorted(query_start_loc[1:], tok, right=True)].long()
+    seq = torch.searchsorted(query_start_loc[1:], tok, right=True)
     par = parents.long()
-    abs_parent = torch.where(par >= 0, seq_start + par.clamp(min=0), t)
+    abs_parent = torch.where(par >= 0, query_start_loc[seq].long() + par.clamp(min=0), t)
     children = torch.zeros(t + 1, dtype=torch.int32, device=dev)
     children.scatter_add_(0, abs_parent, torch.ones(t, dtype=torch.int32, device=dev))
     internal = children[:t] > 0
     leaf = (par >= 0) & ~internal
-    key = torch.where(leaf, abs_parent, t)
-    per_parent = torch.zeros(t + 1, dtype=torch.int32, device=dev)
-    per_parent.scatter_add_(0, key, torch.ones(t, dtype=torch.int32, device=dev))
-    leaf_start = torch.zeros(t + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(per_parent[:t], 0, out=leaf_start[1:])
+    rows = torch.where(internal, tok, -1).to(torch.int32)
+    main_count = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    main_count.scatter_add_(0, torch.where(leaf, n, seq), torch.ones(t, dtype=torch.int32, device=dev))
+    main_start = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(main_count[:n], 0, out=main_start[1:])
+    parent_rows = torch.cat([rows, rows.new_full((1,), -1)])
     return DeferredLeaves(
-        deferred=leaf.to(torch.int32), node_state_indices=torch.where(internal, tok, -1).to(torch.int32),
-        leaf_order=torch.sort(key, stable=True).indices.to(torch.int32), leaf_start=leaf_start,
+        node_state_indices=rows,
+        main_order=torch.sort(torch.where(leaf, n, seq), stable=True).indices.to(torch.int32),
+        main_start=main_start,
+        leaf_state_rows=torch.where(leaf, parent_rows[abs_parent], -1).to(torch.int32),
     )
 
 
@@ -272,8 +293,8 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     _tree_gdn_kernel[(triton.cdiv(V, BV), N * HV)](
         A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(), v.contiguous(), o,
         initial_state, node_states, cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices,
-        parents if token_index is None else token_index, parents if leaves is None else leaves.deferred,
-        beta, threshold, scale, T,
+        parents if token_index is None else token_index, parents if leaves is None else leaves.main_order,
+        cu_seqlens if leaves is None else leaves.main_start, beta, threshold, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         stride_h0=initial_state.stride(0), stride_hs=node_states.stride(0), stride_idx_seq=stride_idx_seq,
         IS_SPEC_DECODING=num_accepted_tokens is not None, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
@@ -283,7 +304,7 @@ def tree_fused_sigmoid_gating_delta_rule_update(
         assert token_index is None and node_state_indices is leaves.node_state_indices
         _tree_gdn_leaves_kernel[(triton.cdiv(V, BV), T, HV)](
             A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(), v.contiguous(), o,
-            node_states, leaves.node_state_indices, leaves.leaf_order, leaves.leaf_start, beta, threshold, scale,
+            node_states, leaves.leaf_state_rows, beta, threshold, scale,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, stride_hs=node_states.stride(0),
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel, num_warps=4,
         )

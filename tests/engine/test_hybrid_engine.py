@@ -25,6 +25,8 @@ from ddtree_testkit.engine_run import run_engine
 from ddtree_testkit.random_dflash import random_dflash_dir
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14], [20, 21]]
+# Fewer sequences at once than prompts: the last prompt prefills in a step where others verify trees.
+MAX_NUM_SEQS = 3
 MAX_TOKENS = 24
 BUDGET = 8
 ORACLE_SEED = 1
@@ -98,7 +100,7 @@ class LosslessRuns:
 @pytest.fixture(scope="module")
 def lossless(hybrid) -> LosslessRuns:
     _, target, drafter = hybrid
-    args = lc.hybrid_args(target, prompt_token_ids=PROMPTS, max_tokens=MAX_TOKENS)
+    args = lc.hybrid_args(target, prompt_token_ids=PROMPTS, max_tokens=MAX_TOKENS, max_num_seqs=MAX_NUM_SEQS)
     teacher = lc.seeded_teacher(PROMPTS, MAX_TOKENS, TEACHER_SEED)
     continuations = [s[len(p):] for p, s in teacher.items()]
     oracle = {"prompt_token_ids": PROMPTS, "continuations": continuations, "seed": ORACLE_SEED}
@@ -111,6 +113,16 @@ def lossless(hybrid) -> LosslessRuns:
     keys = {k for rec in (tree, chain) for k in rec.path_keys(teacher) if k is not None}
     reference = lc.reference_logits(args, keys)
     return LosslessRuns(args, teacher, oracle, drafter, tree_result, tree, chain, reference)
+
+
+def mixed_steps(recording: lc.Recording) -> int:
+    """Steps that verified trees and sampled a row without one (a prefill's last row) together. On a GPU such a step
+    is where vLLM's GDN metadata skips its full-CUDA-graph buffers (the tree conv once rolled a truncated slot
+    there: the replay layout's block table then gives max_query_len 1)."""
+    kinds: dict[int, set[bool]] = {}
+    for step, in_tree in zip(recording.rows["step"], recording.rows["tree"]):
+        kinds.setdefault(step, set()).add(bool(in_tree))
+    return sum(kind == {True, False} for kind in kinds.values())
 
 
 def branch_acceptances(runs: LosslessRuns) -> int:
@@ -132,6 +144,7 @@ def test_ddtree_on_a_hybrid_target_is_lossless_teacher_forced(hybrid, lossless):
     per_depth = lossless.tree_result["spec_decode"]["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert per_depth[1] > 0, "the oracle drafter should get paths of two nodes or more accepted"
     assert branch_acceptances(lossless) > 0, "no accepted node off the pop-order chain: parents and relayout untested"
+    assert mixed_steps(lossless.tree) > 0, "no prefill batched with tree verification (MAX_NUM_SEQS < prompts)"
     tree, chain = lossless.report(lossless.tree), lossless.report(lossless.chain)
     hits, total = lc.greedy_agreement(lossless.tree, lossless.tree.path_keys(lossless.teacher), lossless.reference)
     chain_hits, chain_total = lc.greedy_agreement(lossless.chain, lossless.chain.path_keys(lossless.teacher),
@@ -139,7 +152,8 @@ def test_ddtree_on_a_hybrid_target_is_lossless_teacher_forced(hybrid, lossless):
     print(f"\n[{name}] tree rows {len(tree.rows)}: worst deviation {tree.worst:.4f}; chain rows {len(chain.rows)}: "
           f"worst {chain.worst:.4f}; tolerance {lossless.tolerance:.4f}; one token of context moves logits by "
           f"{tree.separation:.3f} (median); greedy agreement with no-spec at the same contexts: DDTree "
-          f"{hits}/{total}, chain {chain_hits}/{chain_total}; accepted branch nodes {branch_acceptances(lossless)}")
+          f"{hits}/{total}, chain {chain_hits}/{chain_total}; accepted branch nodes {branch_acceptances(lossless)}; "
+          f"steps with a prefill beside trees {mixed_steps(lossless.tree)}")
     assert lossless.tolerance < tree.separation / 2, "bf16 noise too large to tell a wrong state from a right one"
     worst_rows = sorted(zip(tree.deviations.tolist(), tree.rows), reverse=True)[:5]
     assert tree.worst <= lossless.tolerance, f"tree rows off their reference (deviation, row): {worst_rows}"

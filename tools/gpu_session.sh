@@ -240,8 +240,8 @@ phase_hybrid() {
   # .cache/hybrid_runs (lossless_check's run cache: same inputs, environment and code), so repeating the phase in
   # the next call of the lease reuses them. HYBRID_K="qwen3_5" adds the two fault runs that show the check failing
   # (side by side too); "" runs the Qwen3-Next target too. DDTree keeps GDN state in the replay layout
-  # (docs/hybrid-state-layout.md), the chain and the reference in vLLM's. VLLM_DDTREE_TEST_ASYNC_SCHEDULING=1 runs
-  # every engine with async scheduling (ddtree on V1 keeps it off unless asked).
+  # (docs/hybrid-state-layout.md), the chain and the reference in vLLM's. VLLM_DDTREE_TEST_ASYNC_SCHEDULING=1 / 0
+  # sets async scheduling for every engine (unset: the default, on for all of them on CUDA since 2026-12-04).
   python3 -c "import torchvision" 2>/dev/null || echo "hybrid: no torchvision here: vLLM cannot import Qwen3.5 \
 (carry torchvision-0.26.0-cp312-cp312-manylinux_2_28_x86_64.whl under .gpu/m*/ for phase setup)"
   VLLM_USE_V2_MODEL_RUNNER=0 VLLM_DDTREE_TEST_ATTENTION_BACKEND=TRITON_ATTN VLLM_DDTREE_TEST_CUDA_GRAPHS=1 \

@@ -196,10 +196,10 @@ def validate_ddtree_drafter(spec: Any) -> None:
 
 
 def check_async_scheduling(spec: Any) -> None:
-    """Explicit ``--async-scheduling`` with ddtree (experimental on the V1 runner, GPU only: vLLM's CPU engine turns
-    it off). The async scheduler schedules ``num_speculative_tokens`` placeholder drafts per request before it sees
-    the tree, so the tree must fill every one of them: ``validate_ddtree_drafter`` keeps the depth within the budget
-    and ``num_speculative_tokens`` equal to it; this guards that invariant."""
+    """Explicit ``--async-scheduling`` with ddtree (on CUDA also the default, ``schedules_async_by_default``;
+    vLLM's CPU engine turns it off). The async scheduler schedules ``num_speculative_tokens`` placeholder drafts per
+    request before it sees the tree, so the tree must fill every one of them: ``validate_ddtree_drafter`` keeps the
+    depth within the budget and ``num_speculative_tokens`` equal to it; this guards that invariant."""
     if spec.tree_depth > spec.tree_budget or spec.num_speculative_tokens != spec.tree_budget:
         raise DDTreeConfigError(
             f"ddtree with async scheduling needs tree_depth ({spec.tree_depth}) <= num_speculative_tokens (the node "

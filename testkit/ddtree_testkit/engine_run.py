@@ -176,7 +176,7 @@ def main() -> None:
         # on DDTree's attention backend (with VLLM_USE_V2_MODEL_RUNNER=0 also on its runner).
         enforce_eager=os.environ.get("VLLM_DDTREE_TEST_CUDA_GRAPHS") != "1",
         attention_backend=os.environ.get("VLLM_DDTREE_TEST_ATTENTION_BACKEND"),
-        # GPU sessions may turn async scheduling on for the V1 runner (ddtree keeps it off there unless asked).
+        # GPU sessions may set async scheduling (VLLM_DDTREE_TEST_ASYNC_SCHEDULING 1 / 0; unset: the default).
         async_scheduling={"1": True, "0": False}.get(os.environ.get("VLLM_DDTREE_TEST_ASYNC_SCHEDULING", "")),
         tensor_parallel_size=tensor_parallel,
         distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",

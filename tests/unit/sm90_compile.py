@@ -120,6 +120,7 @@ CALLS = [
     ("test_hybrid_gdn", "test_tree_conv_kernel_matches_reference", {"seed": 0}),
     ("test_hybrid_gdn", "test_tree_gdn_kernel_matches_reference", {"seed": 0}),
     ("test_hybrid_gdn", "test_tree_gdn_with_deferred_leaves_computes_the_same_bits", {"seed": 0}),
+    ("test_hybrid_gdn", "test_move_conv_columns_equals_the_relayout_plan", {"seed": 0}),
     ("test_mrv2_ddtree", "test_prepare_rows_kernel_equals_its_torch_reference", {"seed": 0, "tamper": "mrope"}),
     ("test_tree_build", "test_build_matches_heap_random",
      {"budget": 16, "vocab_vs_budget": "vocab_above_budget", "build": {"use_triton": True}}),

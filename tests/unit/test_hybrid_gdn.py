@@ -265,6 +265,33 @@ def random_accepted(s, gen):
     return acc, num
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_move_conv_columns_equals_the_relayout_plan(seed):
+    """The replay layout's one-launch conv relayout against ``apply_relayout`` (its torch reference) on vLLM's
+    transposed slot view: paths with moves, a chain-shaped path, and padding rows with a one-node path on the null
+    block."""
+    from vllm_ddtree.hybrid.relayout import apply_relayout, move_conv_columns, relayout_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    slots, depth, dim = 7, 6, 40
+    base = torch.randn(slots, W - 1 + depth, dim, generator=gen)  # vLLM's SD layout; the kernels see it transposed
+    blocks = torch.tensor([3, 5, 1, 0, 0], dtype=torch.int32)
+    paths = torch.full((5, depth + 1), -1, dtype=torch.int32)
+    kept = torch.tensor([4, 3, 5, 1, 1], dtype=torch.int32)
+    paths[0, :4] = torch.tensor([0, 2, 3, 6])
+    paths[1, :3] = torch.tensor([0, 4, 5])
+    paths[2, :5] = torch.tensor([0, 1, 2, 3, 4])  # chain-shaped: nothing moves
+    paths[3:, 0] = 0
+    expected = base.clone()
+    conv_e = expected.transpose(-1, -2)
+    apply_relayout(conv_e, None, relayout_plan(blocks, blocks[:, None], paths.clamp(min=0), kept, W, None, None),
+                   None)
+    got = base.clone()
+    move_conv_columns(got.transpose(-1, -2), blocks, paths, kept, W)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, base), "no column moved"
+
+
 @pytest.mark.parametrize("mode", ["workspace", "persistent", "replay"])
 def test_relayout_then_vllm_chain_continues(mode):
     gen = torch.Generator().manual_seed(11)

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
 
@@ -68,6 +70,47 @@ def apply_relayout(
     conv_state[plan.rows, :, plan.conv_dst] = conv_state[plan.rows, :, plan.conv_src]
     if node_states is not None and plan.state_src is not None:
         ssm_state[plan.state_dst] = node_states[plan.state_src].to(ssm_state.dtype)
+
+
+@triton.jit
+def _move_conv_columns_kernel(
+    conv_ptr, slots_ptr, accepted_ptr, kept_ptr, dim, stride_seq, stride_dim, stride_tok, stride_acc,
+    WIDTH: tl.constexpr, L: tl.constexpr, LP2: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (request, feature block): column ``width - 2 + accepted[k]`` to ``width - 2 + k`` for path positions
+    k = 1..kept-1 that moved; all of the program's sources are read before any is written."""
+    n = tl.program_id(0)
+    feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fmask = feats < dim
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    last = tl.load(kept_ptr + n) - 1
+    ks = 1 + tl.arange(0, LP2)
+    on_path = (ks <= last) & (ks <= L)
+    src = tl.load(accepted_ptr + n * stride_acc + ks, mask=on_path, other=0)
+    move = on_path & (src != ks)
+    row = conv_ptr + slot * stride_seq + feats * stride_dim
+    mask = move[:, None] & fmask[None, :]
+    vals = tl.load(row[None, :] + ((WIDTH - 2 + src.to(tl.int64)) * stride_tok)[:, None], mask=mask, other=0.0)
+    tl.debug_barrier()  # a destination may be another position's source, read by other threads of the block
+    tl.store(row[None, :] + ((WIDTH - 2 + ks.to(tl.int64)) * stride_tok)[:, None], vals, mask=mask)
+
+
+def move_conv_columns(conv_state: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, kept: torch.Tensor,
+                      width: int) -> None:
+    """One GDN layer's conv columns onto the accepted path in one launch (the replay layout's relayout: what
+    ``apply_relayout`` does with ``relayout_plan(..., node_state_indices=None)``, its reference). conv_state
+    ``(slots, dim, state_len)``; slots ``[N]`` each request's block (no two live requests share one; a row with
+    ``kept`` 1 moves nothing, so padding rows may all name the null block); accepted ``[N, L+1]`` path node ids;
+    kept ``[N]`` path length. Replaces a gather and a scatter over every request's L columns (H200, Qwen3.6-27B
+    B=64: 9 us per layer at batch 1, 19 at batch 8, 2026-12-04 profile)."""
+    n, width_acc = accepted.shape
+    assert accepted.stride(1) == 1
+    dim = conv_state.shape[1]
+    block_n = 256
+    _move_conv_columns_kernel[(n, triton.cdiv(dim, block_n))](
+        conv_state, slots, accepted, kept, dim, *conv_state.stride(), accepted.stride(0),
+        WIDTH=width, L=width_acc - 1, LP2=triton.next_power_of_2(max(width_acc - 1, 1)), BLOCK_N=block_n,
+    )
 
 
 def relayout_accepted_path(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
-from vllm_ddtree.hybrid.relayout import apply_relayout, apply_replay, relayout_plan, replay_plan
+from vllm_ddtree.hybrid.relayout import apply_relayout, apply_replay, move_conv_columns, relayout_plan, replay_plan
 from vllm_ddtree.hybrid.replay_layout import ReplayStash, one_state_block, stash_size
 from vllm_ddtree.hybrid.spec_parents import spec_token_parents
 
@@ -138,18 +138,17 @@ class HybridTreeTarget:
         stash = self.replay
         row_start = stash.row_start[:rows]
         verified = live & (row_start >= 0)
-        # Unverified rows all map to the null block: copying its columns onto themselves keeps their writes equal
-        # (a moved path there would race another row's copy into the same block).
+        # Unverified rows all map to the null block, with a path of one node: they move nothing there (a moved path
+        # would race another row's copy into the same block).
         kept = torch.where(verified, kept, 1)
-        plans = {}  # (conv plan, replay plan) per KV-cache group, shared by its layers
+        plans = {}  # (blocks, replay plan) per KV-cache group, shared by its layers
         for group, conv, ssm, width, layer in self._layers:
             if group not in plans:
                 table = self.runner.input_batch.block_table[group].get_device_tensor(rows)
                 blocks = torch.where(verified, table[:, 0], 0).to(torch.int32)
-                plans[group] = (relayout_plan(blocks, blocks[:, None], paths, kept, width, None, row_start),
-                                replay_plan(blocks, blocks, paths, kept, row_start))
-            conv_plan, plan = plans[group]
-            apply_relayout(conv, ssm, conv_plan, None)
+                plans[group] = (blocks, replay_plan(blocks, blocks, paths, kept, row_start))
+            blocks, plan = plans[group]
+            move_conv_columns(conv, blocks, paths, kept, width)
             i = stash.layer(layer.A_log)
             apply_replay(plan, layer.A_log, stash.a[i], stash.b[i], layer.dt_bias, stash.q[i][None], stash.k[i][None],
                          stash.v[i][None], ssm)

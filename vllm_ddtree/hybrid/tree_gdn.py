@@ -290,8 +290,9 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     if ssm_state_indices.ndim == 1:
         assert num_accepted_tokens is None, "1-D ssm_state_indices has a single column"
     o = q.new_empty(1, T, HV, V)
+    a, b, q, k, v = (t.contiguous() for t in (a, b, q, k, v))  # once: the leaf kernel reads them too
     _tree_gdn_kernel[(triton.cdiv(V, BV), N * HV)](
-        A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(), v.contiguous(), o,
+        A_log, a, b, dt_bias, q, k, v, o,
         initial_state, node_states, cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices,
         parents if token_index is None else token_index, parents if leaves is None else leaves.main_order,
         cu_seqlens if leaves is None else leaves.main_start, beta, threshold, scale, T,
@@ -303,7 +304,7 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     if leaves is not None:
         assert token_index is None and node_state_indices is leaves.node_state_indices
         _tree_gdn_leaves_kernel[(triton.cdiv(V, BV), T, HV)](
-            A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous(), k.contiguous(), v.contiguous(), o,
+            A_log, a, b, dt_bias, q, k, v, o,
             node_states, leaves.leaf_state_rows, beta, threshold, scale,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, stride_hs=node_states.stride(0),
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel, num_warps=4,

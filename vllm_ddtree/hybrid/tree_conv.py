@@ -48,6 +48,24 @@ def tree_conv_window(parents: torch.Tensor, query_start_loc: torch.Tensor, width
 
 
 @triton.jit
+def _sequence_rows(x_ptr, conv_state_ptr, conv_state_indices_ptr, num_accepted_ptr, qsl_ptr, dim, stride_csi,
+                   stride_x_dim, stride_cs_seq, stride_cs_dim, BLOCK_N: tl.constexpr):
+    """A program's sequence and feature block, for both kernels: the features and their mask, the conv slot, the
+    sequence's first token and length, the previous step's accepted count - 1, and the feature rows of its conv
+    slot and of x."""
+    n = tl.program_id(0)
+    feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fmask = feats < dim
+    slot = tl.load(conv_state_indices_ptr + n * stride_csi).to(tl.int64)
+    bos = tl.load(qsl_ptr + n).to(tl.int64)
+    seqlen = tl.load(qsl_ptr + n + 1).to(tl.int64) - bos
+    offset = tl.load(num_accepted_ptr + n).to(tl.int64) - 1
+    row = conv_state_ptr + slot * stride_cs_seq + feats * stride_cs_dim  # [BLOCK_N]
+    x_rows = x_ptr + feats * stride_x_dim
+    return feats, fmask, slot, bos, seqlen, offset, row, x_rows
+
+
+@triton.jit
 def _tree_conv_update_kernel(
     x_ptr, w_ptr, bias_ptr, conv_state_ptr, conv_state_indices_ptr, num_accepted_ptr, qsl_ptr, window_ptr, o_ptr,
     dim, stride_csi, stride_x_tok, stride_x_dim, stride_w_dim, stride_w_width,
@@ -59,22 +77,16 @@ def _tree_conv_update_kernel(
     """Program (sequence, feature block, token block): the outputs of BLOCK_T tokens at once. No output depends on
     another's, so a sequence's tokens need not run one after another as in vLLM's kernel (where each program loops
     over its tokens: at B=64 on Qwen3.6-27B that loop made the tree conv 5x the chain's, H200 profile 2026-12-04)."""
-    n = tl.program_id(0)
-    feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    fmask = feats < dim
-    slot = tl.load(conv_state_indices_ptr + n * stride_csi).to(tl.int64)
+    feats, fmask, slot, bos, seqlen, offset, row, x_rows = _sequence_rows(
+        x_ptr, conv_state_ptr, conv_state_indices_ptr, num_accepted_ptr, qsl_ptr, dim, stride_csi, stride_x_dim,
+        stride_cs_seq, stride_cs_dim, BLOCK_N)
     if HAS_NULL_BLOCK:
         if slot == null_block_id:
             return
-    bos = tl.load(qsl_ptr + n).to(tl.int64)
-    seqlen = tl.load(qsl_ptr + n + 1).to(tl.int64) - bos
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < seqlen
     if tl.program_id(2) * BLOCK_T >= seqlen:
         return
-    offset = tl.load(num_accepted_ptr + n).to(tl.int64) - 1
-    row = conv_state_ptr + slot * stride_cs_seq + feats * stride_cs_dim  # [BLOCK_N]
-    x_rows = x_ptr + feats * stride_x_dim
     if HAS_BIAS:
         acc0 = tl.load(bias_ptr + feats, mask=fmask, other=0.0).to(tl.float32)
     else:
@@ -108,20 +120,14 @@ def _tree_conv_roll_kernel(
 ):
     """Roll the slot exactly like vLLM (``[row[a..a+width-3], x_0..x_{T-1}]``); a launch of its own so that it runs
     after every window read of the committed columns (``_tree_conv_update_kernel``, any program)."""
-    n = tl.program_id(0)
-    feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    fmask = feats < dim
-    slot = tl.load(conv_state_indices_ptr + n * stride_csi).to(tl.int64)
+    feats, fmask, slot, bos, seqlen, offset, row, x_rows = _sequence_rows(
+        x_ptr, conv_state_ptr, conv_state_indices_ptr, num_accepted_ptr, qsl_ptr, dim, stride_csi, stride_x_dim,
+        stride_cs_seq, stride_cs_dim, BLOCK_N)
     if HAS_NULL_BLOCK:
         if slot == null_block_id:
             return
-    bos = tl.load(qsl_ptr + n).to(tl.int64)
-    seqlen = tl.load(qsl_ptr + n + 1).to(tl.int64) - bos
     if seqlen == 0:
         return
-    offset = tl.load(num_accepted_ptr + n).to(tl.int64) - 1
-    row = conv_state_ptr + slot * stride_cs_seq + feats * stride_cs_dim  # [BLOCK_N]
-    x_rows = x_ptr + feats * stride_x_dim
     idx = tl.arange(0, NP2_STATELEN)
     keep = idx < KERNEL_WIDTH - 2
     new_len = KERNEL_WIDTH - 2 + seqlen

@@ -576,8 +576,9 @@ def setup_gdn_conv(case: Case) -> Step:
     gen = torch.Generator(device=case.device).manual_seed(6)
     tokens = case.batch * n
     xs = torch.randn(tokens, dim, generator=gen, device=case.device).to(case.dtype)
-    conv_state = torch.randn(case.batch + 1, dim, width - 1 + case.budget, generator=gen, device=case.device).to(
-        case.dtype)
+    # vLLM's default "SD" layout (mamba_utils.get_conv_state_layout): dim innermost, the kernel's view transposed.
+    conv_state = torch.randn(case.batch + 1, width - 1 + case.budget, dim, generator=gen, device=case.device).to(
+        case.dtype).transpose(1, 2)
     weight = torch.randn(dim, width, generator=gen, device=case.device).to(case.dtype)
     slots = x["blocks"][:, 0].contiguous()
     accepted = torch.ones(case.batch, dtype=torch.int32, device=case.device)

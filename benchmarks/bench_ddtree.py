@@ -354,6 +354,9 @@ def build_runs(args: argparse.Namespace) -> list[dict]:
         tree = [f"ddtree B={b}" for b in args.budgets] + ([f"ddtree B={b} async" for b in args.budgets]
                                                            if args.async_ab else [])
         tree_flags = ["--step-timing"] + (["--async-ab"] if args.async_ab else [])
+        if args.tree_budgets:
+            common += ["--tree-budgets", *map(str, args.tree_budgets)]
+            tree.append("ddtree cost-aware")
         same_backend = ["--same-backend-baselines"] if args.same_backend_baselines else []
         batches = [str(b) for b in args.batch_sizes]
         if prefill:  # one request at a time; the step breakdown is the decode step's, not wanted here
@@ -450,6 +453,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-set", choices=["chat", "heldout"])
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--async-ab", action="store_true", help="also every budget with async scheduling")
+    parser.add_argument("--tree-budgets", type=int, nargs="+", help="also 'ddtree cost-aware' (tree_budgets: each "
+                        "step's budget among these from live acceptance and step time), e.g. 16 32 64")
     parser.add_argument("--capture-sizes", help="bench_e2e's --capture-sizes (its default 'auto': vLLM's list, the "
                         "largest size raised to cover every verify step)")
     parser.add_argument("--same-backend-baselines", action="store_true", help="also no-spec and the chain on DDTree's "

@@ -252,6 +252,9 @@ def main() -> None:
     parser.add_argument("--budget-schedule", type=json.loads, default=None, help="also run 'ddtree adaptive': the "
                         "adaptive budget, as vLLM's num_speculative_tokens_per_batch_size, e.g. "
                         "'[[1, 4, 64], [5, 16, 32], [17, 256, 16]]' (bench_ddtree.py prints one from its measurements)")
+    parser.add_argument("--tree-budgets", type=int, nargs="+", default=None, help="also run 'ddtree cost-aware': "
+                        "ddtree's tree_budgets, each step's budget among these from live acceptance and step time "
+                        "(vllm_ddtree/budget_policy.py), e.g. 16 32 64")
     parser.add_argument("--tree-kernel-prefix", action="store_true", help="also run every budget with the tree "
                         "kernel attending to the prefix too (VLLM_DDTREE_TREE_KERNEL_PREFIX=1) as 'ddtree B=<b> "
                         "tree-kernel prefix'; by default FLASH_ATTN's verify runs the prefix on FlashAttention")
@@ -327,7 +330,8 @@ def main() -> None:
     block = json.loads((Path(drafter) / "config.json").read_text()).get("block_size", 16)
     chain = args.chain_tokens or block - 1
     if args.max_num_batched_tokens and not batched_tokens_given:  # the CPU default: room for every verify step
-        largest = max(args.budgets + [chain] + [entry[2] for entry in args.budget_schedule or []])
+        largest = max(args.budgets + [chain] + [entry[2] for entry in args.budget_schedule or []]
+                      + (args.tree_budgets or []))
         args.max_num_batched_tokens = max(args.max_num_batched_tokens, max(args.batch_sizes) * (1 + largest))
     drafter_load = {"draft_load_config": {"load_format": "auto"}} if load_format == "dummy" else {}
     chain_spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain, **drafter_load}
@@ -345,6 +349,10 @@ def main() -> None:
         configs.append(("ddtree adaptive", {"method": "ddtree", "model": drafter, "num_speculative_tokens": largest,
                                             "num_speculative_tokens_per_batch_size": args.budget_schedule,
                                             **drafter_load}, {}))
+    if args.tree_budgets:
+        configs.append(("ddtree cost-aware", {"method": "ddtree", "model": drafter, "tree_budgets": args.tree_budgets,
+                                              "num_speculative_tokens": max(args.tree_budgets), **drafter_load},
+                        {}))
     if args.async_ab:
         configs += [(f"{name} async", spec, {"BENCH_ASYNC_SCHEDULING": "1"}) for name, spec, _ in trees]
     if args.tree_kernel_prefix:

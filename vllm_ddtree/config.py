@@ -7,6 +7,8 @@ Users write ``{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tok
 - ``num_speculative_tokens_per_batch_size`` (vLLM's dynamic speculative decoding schedule): the adaptive budget.
   vLLM's scheduler picks each step's draft count from the batch size; the proposer returns that prefix of its
   B-node tree, which in best-first order is the tree of that budget.
+- ``tree_budgets``: the cost-aware budget: each step verifies one of these budgets, the one with the most
+  expected tokens per second from live acceptance and measured step time (budget_policy.py); the largest is B.
 - ``tree_depth``: the deepest node, i.e. how many DFlash draft positions feed the tree. Defaults to
   ``min(block_size - 1, B)`` (all positions one DFlash pass produces, but no deeper than B: a tree of B nodes is at
   most B deep); at most that.
@@ -61,6 +63,7 @@ def prepare_ddtree_method(spec: Any) -> None:
             'method "ddtree" needs a DFlash drafter: add "model": "<path or name of a DFlash checkpoint>" to '
             "--speculative-config"
         )
+    _expand_tree_budgets(spec)
     if spec.num_speculative_tokens is None:
         spec.num_speculative_tokens = DEFAULT_TREE_BUDGET
     budget = spec.num_speculative_tokens
@@ -132,6 +135,58 @@ def _check_budget_schedule(schedule: Any, budget: int) -> None:
                 f"[1, num_speculative_tokens = {budget}] (the largest tree; set num_speculative_tokens to the "
                 "schedule's largest budget)"
             )
+
+
+def _expand_tree_budgets(spec: Any) -> None:
+    """``tree_budgets``: the cost-aware budget (budget_policy.py) picks each step's budget among these. The largest
+    is the node budget (``num_speculative_tokens``); vLLM's dynamic speculative decoding schedule gets one entry per
+    budget, so its runners size and capture every verify width, and ``scheduler.make_scheduler`` replaces the
+    schedule's lookup by the live choice (``use_cost_aware_scheduler``)."""
+    budgets = spec.tree_budgets
+    if budgets is None:
+        return
+    if (not isinstance(budgets, list) or len(set(budgets)) < 2
+            or not all(isinstance(b, int) and 1 <= b <= MAX_TREE_BUDGET for b in budgets)):
+        raise DDTreeConfigError(
+            f"ddtree tree_budgets must list at least two different node budgets in [1, {MAX_TREE_BUDGET}], e.g. "
+            f"[16, 32, 64], got {budgets!r}; for one budget give num_speculative_tokens instead"
+        )
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        raise DDTreeConfigError(
+            "ddtree tree_budgets (each step's budget from live acceptance and step time) and "
+            "num_speculative_tokens_per_batch_size (the budget from the batch size) are two ways to choose it; "
+            "drop one"
+        )
+    largest = max(budgets)
+    if spec.num_speculative_tokens not in (None, largest):
+        raise DDTreeConfigError(
+            f"ddtree num_speculative_tokens={spec.num_speculative_tokens} with tree_budgets {budgets}: the node "
+            f"budget is the largest of tree_budgets ({largest}); drop num_speculative_tokens"
+        )
+    spec.num_speculative_tokens = largest
+    ordered = sorted(set(budgets), reverse=True)
+    spec.num_speculative_tokens_per_batch_size = [[i + 1, i + 1, b] for i, b in enumerate(ordered)]
+
+
+def use_cost_aware_scheduler(vllm_config: Any) -> None:
+    """With ``tree_budgets``, the engine runs ``scheduler.make_scheduler`` (patch 0001 calls this once the
+    VllmConfig is settled)."""
+    spec = vllm_config.speculative_config
+    if spec is None or getattr(spec, "tree_budgets", None) is None:
+        return
+    ours = "vllm_ddtree.scheduler.make_scheduler"
+    scheduler_config = vllm_config.scheduler_config
+    if scheduler_config.scheduler_cls not in (None, ours):
+        raise DDTreeConfigError(
+            f"ddtree tree_budgets chooses each step's budget in its own scheduler; drop --scheduler-cls "
+            f"{scheduler_config.scheduler_cls!r} or tree_budgets"
+        )
+    if spec.num_speculative_tokens_per_batch_size is None:  # vLLM drops the schedule under data parallelism
+        raise DDTreeConfigError(
+            "ddtree tree_budgets does not run with data parallelism (ranks could verify different budgets); "
+            "give one budget as num_speculative_tokens"
+        )
+    scheduler_config.scheduler_cls = ours
 
 
 def _refuse_non_dflash_drafter(model: str, revision: str | None) -> None:

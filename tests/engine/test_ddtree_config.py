@@ -64,6 +64,10 @@ def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
         ({"num_speculative_tokens_per_batch_size": [[1, 4, 0]]}, "each budget must be in"),
         ({"num_speculative_tokens_per_batch_size": [[2, 4, 8]]}, "must start at 1"),
         ({"num_speculative_tokens_per_batch_size": [[1, 4, 8], [3, 8, 4]]}, "non-overlapping"),
+        ({"tree_budgets": [16]}, "at least two different node budgets"),
+        ({"tree_budgets": [16, 200]}, r"at least two different node budgets in \[1, 128\]"),
+        ({"tree_budgets": [4, 8], "num_speculative_tokens_per_batch_size": [[1, 4, 8]]}, "drop one"),
+        ({"tree_budgets": [4, 8], "num_speculative_tokens": 16}, "the node budget is the largest of tree_budgets"),
     ],
 )
 def test_refused_settings_name_the_fix(tiny_llama_dir, tiny_llama_dflash_dir, spec, message):
@@ -99,6 +103,25 @@ def test_budget_schedule_is_vllms_dynamic_speculation_schedule(tiny_llama_dir, t
     assert (spec.tree_budget, spec.num_speculative_tokens) == (16, 16)
     lookup = build_dynamic_sd_schedule_lookup(spec.num_speculative_tokens_per_batch_size, 8, 16)
     assert lookup[1:] == [16, 16, 4, 4, 4, 4, 4, 4]
+
+
+def test_tree_budgets_run_the_cost_aware_scheduler(tiny_llama_dir, tiny_llama_dflash_dir):
+    """The cost-aware budget: the largest budget is the node budget, vLLM's schedule lists every budget (so runners
+    capture each verify width) and the engine core builds ddtree's scheduler."""
+    from vllm_ddtree.scheduler import make_scheduler
+
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), tree_budgets=[4, 16, 8])
+    spec = config.speculative_config
+    assert (spec.tree_budget, spec.num_speculative_tokens) == (16, 16)
+    assert spec.num_speculative_tokens_per_batch_size == [[1, 1, 16], [2, 2, 8], [3, 3, 4]]
+    assert config.scheduler_config.get_scheduler_cls() is make_scheduler
+    with pytest.raises(Exception, match="drop --scheduler-cls"):
+        from vllm.engine.arg_utils import EngineArgs
+
+        EngineArgs(model=str(tiny_llama_dir), dtype="float32", max_model_len=512, max_num_seqs=8,
+                   scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler",
+                   speculative_config={"method": "ddtree", "model": str(tiny_llama_dflash_dir),
+                                       "tree_budgets": [4, 8]}).create_engine_config()
 
 
 def test_accepts_a_gated_delta_net_hybrid_target_on_the_cpu(tiny_hybrid_dir, tiny_hybrid_dflash_dir):

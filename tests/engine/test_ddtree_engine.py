@@ -57,6 +57,26 @@ def test_adaptive_budget_follows_the_batch_size_schedule(tiny_llama_dir, tiny_ll
     assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2
 
 
+def test_cost_aware_budget_verifies_several_budgets_losslessly(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids,
+                                                              reference):
+    """``tree_budgets``: ddtree's scheduler picks each step's budget (budget_policy.py); it tries both budgets
+    before it settles, and whichever it picks, the outputs are no-spec's."""
+    spec = {"method": "ddtree", "model": str(tiny_llama_dflash_dir), "tree_budgets": [3, 16]}
+    result = run_engine(
+        model=str(tiny_llama_dir),
+        prompt_token_ids=prompt_ids,
+        max_tokens=48,
+        ignore_eos=True,
+        spec=spec,
+        oracle={"prompt_token_ids": prompt_ids, "continuations": reference, "seed": 5},
+    )
+    assert result["token_ids"] == reference
+    stats = result["spec_decode"]
+    drafts, draft_tokens = stats["vllm:spec_decode_num_drafts"], stats["vllm:spec_decode_num_draft_tokens"]
+    assert 3 * drafts < draft_tokens < 16 * drafts  # steps verified 3 drafts and steps verified 16
+    assert stats["vllm:spec_decode_num_accepted_tokens"] > drafts // 2
+
+
 # The one host synchronisation DDTree's code may make in a step on the CPU engine: its PyTorch KV compaction
 # (``nonzero``). GPU engines compact with the Triton kernel instead (kv_layout.TargetKVCompaction picks it when every
 # target layer is on TreeTritonAttentionImpl).

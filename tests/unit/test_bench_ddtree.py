@@ -143,6 +143,10 @@ def test_runs_time_ddtree_per_batch_and_baselines_once(tmp_path):
     assert {"--step-timing", "--same-backend-baselines", "--async-ab"} <= set(argv)
     assert argv[argv.index("--configs") + 1] == ("no-spec,dflash,no-spec V1+tri,dflash V1+tri,ddtree B=16,"
                                                  "ddtree B=64,ddtree B=16 async,ddtree B=64 async")
+    cost_aware = runs("--tree-budgets", "16", "32", "64")[1]["argv"]
+    assert cost_aware[cost_aware.index("--configs") + 1] == "ddtree B=16,ddtree B=64,ddtree cost-aware"
+    assert cost_aware[cost_aware.index("--tree-budgets") + 1: cost_aware.index("--tree-budgets") + 4] == [
+        "16", "32", "64"]
 
 
 def test_paper_tau_and_prefill_workloads_run_what_they_say(tmp_path):

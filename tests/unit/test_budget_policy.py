@@ -1,0 +1,158 @@
+"""The cost-aware budget (budget_policy.py, scheduler.py) against simulated engines: known step times and acceptance
+per budget, a fake clock; the policy must settle on the budget with the most tokens per second."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_ddtree.budget_policy import CostAwareBudget, batch_bucket
+
+
+class Engine:
+    """Steps of a batch of ``batch`` requests, each verifying the budget the policy picked; ``seconds(batch, b)`` and
+    ``accepted(b)`` (accepted drafts per request) are the truth the policy must find."""
+
+    def __init__(self, policy: CostAwareBudget, seconds, accepted):
+        self.now = 0.0
+        self.policy, self.seconds, self.accepted = policy, seconds, accepted
+        policy.clock = lambda: self.now
+
+    def run(self, batch: int, steps: int) -> list[int]:
+        chosen = []
+        for _ in range(steps):
+            budget = self.policy[batch]
+            self.now += self.seconds(batch, budget)
+            for _ in range(batch):
+                self.policy.observe_request(self.accepted(budget))
+            self.policy.observe_step(batch, budget, verify_only=True)
+            chosen.append(budget)
+        return chosen
+
+
+def settled(chosen: list[int], last: int = 256) -> Counter:
+    return Counter(chosen[-last:])
+
+
+def rate(seconds, accepted, batch, b):
+    return (1 + accepted(b)) / seconds(batch, b)
+
+
+@pytest.mark.parametrize(
+    "seconds, accepted, best",
+    [
+        # Nothing accepted (random weights): the smallest tree, the least work.
+        ({16: 1.00, 32: 1.04, 64: 1.10}, {16: 0, 32: 0, 64: 0}, 16),
+        # The paper's regime at batch 1: a larger tree costs little and accepts more.
+        ({16: 1.00, 32: 1.03, 64: 1.08}, {16: 5.0, 32: 7.5, 64: 9.7}, 64),
+        # A middle budget: 64 accepts more but costs too much.
+        ({16: 1.00, 32: 1.20, 64: 2.00}, {16: 4.0, 32: 6.0, 64: 7.0}, 32),
+    ],
+)
+def test_settles_on_the_budget_with_the_most_tokens_per_second(seconds, accepted, best):
+    policy = CostAwareBudget([64, 16, 32], probe_every=32)
+    chosen = Engine(policy, lambda n, b: seconds[b], lambda b: accepted[b]).run(batch=1, steps=600)
+    assert max(seconds, key=lambda b: (1 + accepted[b]) / seconds[b]) == best  # the case is what it says
+    counts = settled(chosen)
+    assert counts[best] >= 256 - 256 // 32 - 1, counts
+    # Probes try only the neighbours of the best budget (tokens/s is unimodal in the budget), both sides in turn.
+    neighbours = {16: {32}, 32: {16, 64}, 64: {32}}[best]
+    assert set(counts) - {best} == neighbours, counts
+
+
+def test_each_batch_bucket_gets_its_own_budget():
+    """Verify cost grows with the tokens a step verifies (batch x (1 + budget)) past a memory-bound floor: a big
+    tree pays at batch 1 and not at batch 16, with the same acceptance."""
+    accepted = {16: 5.0, 32: 7.0, 64: 8.5}
+
+    def seconds(n, b):
+        return max(1.0, n * (1 + b) / 80)
+
+    policy = CostAwareBudget([16, 32, 64])
+    engine = Engine(policy, seconds, lambda b: accepted[b])
+    engine.run(batch=1, steps=300)
+    engine.run(batch=16, steps=300)
+    assert settled(engine.run(batch=1, steps=100), 64).most_common(1)[0][0] == 64
+    assert settled(engine.run(batch=16, steps=100), 64).most_common(1)[0][0] == 16
+    assert batch_bucket(1) != batch_bucket(16)
+
+
+def test_follows_a_drop_in_acceptance():
+    """The workload changes under it: trees that accepted 9 drafts accept none; the policy walks down to the smallest
+    budget (its own measurements at the larger budgets drop, then the probes refresh the smaller ones)."""
+    seconds = {16: 1.00, 32: 1.04, 64: 1.10}
+    accepted = {16: 5.0, 32: 7.5, 64: 9.0}
+    policy = CostAwareBudget([16, 32, 64], probe_every=16)
+    engine = Engine(policy, lambda n, b: seconds[b], lambda b: accepted[b])
+    assert settled(engine.run(1, 300), 64).most_common(1)[0][0] == 64
+    accepted.update({16: 0.0, 32: 0.0, 64: 0.0})
+    assert settled(engine.run(1, 400), 128).most_common(1)[0][0] == 16
+
+
+def test_only_verify_steps_after_verify_steps_are_timed():
+    """A prefill step is not a verify step's cost, and neither is the step after it (its interval starts at a
+    prefill's output). Acceptance counts from every verify step."""
+    now = [0.0]
+    policy = CostAwareBudget([8, 16], clock=lambda: now[0])
+    for step, verify_only in enumerate([False, True, True, False, True]):
+        now[0] += 10.0 if not verify_only else 1.0
+        policy.observe_request(3)
+        policy.observe_step(1, 8, verify_only=verify_only)
+        if step == 1:
+            assert policy.step_time.get((0, 8)) is None or policy.step_time[(0, 8)].value is None
+            assert policy.accepted[8].value == 3
+    assert policy.step_time[(0, 8)].value == 1.0  # step 2 only: steps 1 and 4 followed a prefill
+    assert policy.summary() == "batch 1: B=8: 3 steps (4.00 tokens / 1000.00 ms), B=16: 0 steps"
+
+
+def test_unmeasured_budgets_are_tried_first():
+    policy = CostAwareBudget([32, 8, 16])
+    assert policy[4] == 8
+    policy.accepted[8].add(2.0)
+    policy._time(batch_bucket(4), 8).add(1.0)
+    assert policy[4] == 16
+    assert policy.expected_rate(4, 8) == 3.0 and policy.expected_rate(4, 16) is None
+
+
+def _output(num_scheduled, drafts, new_reqs=()):
+    return SimpleNamespace(num_scheduled_tokens=num_scheduled, scheduled_spec_decode_tokens=drafts,
+                           scheduled_new_reqs=list(new_reqs))
+
+
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        (_output({"a": 17, "b": 17}, {"a": [0] * 16, "b": [0] * 16}), (16, True)),
+        # A prefill chunk beside the verify rows.
+        (_output({"a": 17, "b": 200}, {"a": [0] * 16}), (16, False)),
+        # A request verifying fewer drafts (near its length limit).
+        (_output({"a": 17, "b": 5}, {"a": [0] * 16, "b": [0] * 4}), (16, False)),
+        # A new request's first step.
+        (_output({"a": 17}, {"a": [0] * 16}, new_reqs=["b"]), (16, False)),
+        (_output({"a": 1}, {}), (0, False)),
+    ],
+)
+def test_verified_budget_reads_the_step_from_the_scheduler_output(output, expected):
+    from vllm_ddtree.scheduler import verified_budget
+
+    assert verified_budget(output) == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_make_scheduler_builds_on_the_scheduler_the_engine_runs(monkeypatch, async_scheduling):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from vllm_ddtree import scheduler
+
+    built = {}
+
+    def init(self, *, vllm_config, **kwargs):
+        built.update(kwargs, cls=type(self))
+
+    monkeypatch.setattr(scheduler._CostAwareBudgetMixin, "__init__", init)
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+    made = scheduler.make_scheduler(vllm_config=config, log_stats=False)
+    assert isinstance(made, AsyncScheduler) == async_scheduling
+    assert built == {"log_stats": False, "cls": type(made)}

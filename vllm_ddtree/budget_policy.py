@@ -1,0 +1,128 @@
+"""Cost-aware tree budget: each step's budget from measured step time and live acceptance (issue 19).
+
+With ``"tree_budgets": [b1, b2, ...]`` the engine can verify any of those budgets (each gets its CUDA graphs, as
+vLLM's dynamic speculative decoding schedule does). Before each step, for the batch size n it is about to run, the
+scheduler picks the budget b that maximises expected tokens per second,
+
+    n * (1 + accepted(b)) / step_time(n, b)
+
+- ``accepted(b)``: mean accepted drafts per request over recent steps verified at b (exponential moving average);
+- ``step_time(n, b)``: mean wall time between consecutive step outputs, for steps of n's batch bucket (n rounded up
+  to a power of two) verified at b; only steps that verified trees and nothing else, after a step that did the same,
+  so prefills and idle gaps do not count.
+
+Both come from what vLLM's scheduler already sees on the host (each output's accepted counts and when it arrives),
+so the choice costs no device sync. A budget not yet measured for a bucket is tried first. Then every
+``probe_every``-th step of a bucket verifies a budget next to the best one (tokens/s is unimodal in the budget:
+CaDDTree), alternating below and above, so the estimates follow the workload: when nothing is accepted the smallest
+budget wins; when the trees' acceptance pays for a larger verify, a larger one does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+
+class _Average:
+    """Exponential moving average; None until the first sample."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes that share step-time estimates: 1, 2, 3-4, 5-8, 9-16, ..."""
+    return max(batch_size - 1, 0).bit_length()
+
+
+class CostAwareBudget:
+    """Chooses each step's tree budget among ``budgets`` (module docstring).
+
+    ``budget[batch_size]`` stands in for vLLM's dynamic speculative decoding lookup (``Scheduler.dynamic_sd_lookup``);
+    the scheduler reports each verified request (``observe_request``) and each step's output (``observe_step``)."""
+
+    def __init__(self, budgets: Sequence[int], *, weight: float = 0.2, probe_every: int = 32,
+                 clock: Callable[[], float] = time.monotonic):
+        self.budgets = tuple(sorted(set(budgets)))
+        self.weight = weight
+        self.probe_every = probe_every
+        self.clock = clock
+        self.accepted = {b: _Average(weight) for b in self.budgets}
+        self.step_time: dict[tuple[int, int], _Average] = {}
+        self.choices: dict[int, int] = {}  # per bucket: steps chosen so far
+        self.verified: dict[tuple[int, int], int] = {}  # (bucket, budget): verify-only steps seen
+        self._step_accepted: list[int] = []
+        self._last_output: float | None = None
+        self._last_clean = False
+
+    def __getitem__(self, batch_size: int) -> int:
+        return self.choose(batch_size)
+
+    def expected_rate(self, batch_size: int, budget: int) -> float | None:
+        """Expected tokens per second per request at this budget (None until measured)."""
+        accepted = self.accepted[budget].value
+        seconds = self._time(batch_bucket(batch_size), budget).value
+        if accepted is None or seconds is None or seconds <= 0:
+            return None
+        return (1 + accepted) / seconds
+
+    def choose(self, batch_size: int) -> int:
+        bucket = batch_bucket(batch_size)
+        count = self.choices[bucket] = self.choices.get(bucket, 0) + 1
+        rates = {b: self.expected_rate(batch_size, b) for b in self.budgets}
+        for b in self.budgets:
+            if rates[b] is None:
+                return b
+        best = max(self.budgets, key=lambda b: rates[b])
+        if self.probe_every and count % self.probe_every == 0:
+            i = self.budgets.index(best)
+            below = self.budgets[i - 1] if i > 0 else None
+            above = self.budgets[i + 1] if i + 1 < len(self.budgets) else None
+            probe = below if (count // self.probe_every) % 2 else above
+            return probe if probe is not None else (below if above is None else above)
+        return best
+
+    def observe_request(self, num_accepted_tokens: int) -> None:
+        """One request of the step whose output is being processed: the drafts it accepted."""
+        self._step_accepted.append(num_accepted_tokens)
+
+    def observe_step(self, batch_size: int, budget: int, verify_only: bool) -> None:
+        """A step's output arrived (after its ``observe_request`` calls). ``verify_only``: every request of the step
+        verified exactly ``budget`` drafts and nothing else ran (no prefill chunk)."""
+        now = self.clock()
+        accepted, self._step_accepted = self._step_accepted, []
+        if verify_only and budget in self.accepted:
+            key = (batch_bucket(batch_size), budget)
+            self.verified[key] = self.verified.get(key, 0) + 1
+            if accepted:
+                self.accepted[budget].add(sum(accepted) / len(accepted))
+            if self._last_clean and self._last_output is not None:
+                self._time(batch_bucket(batch_size), budget).add(now - self._last_output)
+        self._last_output, self._last_clean = now, verify_only
+
+    def summary(self) -> str:
+        """Verify steps per budget by batch range, with the estimates behind the choice (the scheduler logs it at
+        shutdown)."""
+        parts = []
+        for bucket in sorted({k[0] for k in self.verified}):
+            first, last = (1, 1) if bucket == 0 else (2 ** (bucket - 1) + 1, 2 ** bucket)
+            cells = []
+            for b in self.budgets:
+                seconds = self._time(bucket, b).value
+                accepted = self.accepted[b].value
+                cells.append(f"B={b}: {self.verified.get((bucket, b), 0)} steps"
+                             + (f" ({1 + accepted:.2f} tokens / {1e3 * seconds:.2f} ms)"
+                                if seconds is not None and accepted is not None else ""))
+            parts.append(f"batch {first}{'' if first == last else f'-{last}'}: " + ", ".join(cells))
+        return "; ".join(parts) or "no verify steps"
+
+    def _time(self, bucket: int, budget: int) -> _Average:
+        key = (bucket, budget)
+        if key not in self.step_time:
+            self.step_time[key] = _Average(self.weight)
+        return self.step_time[key]

@@ -1,0 +1,72 @@
+"""vLLM's scheduler with the cost-aware tree budget (``"tree_budgets"``; budget_policy.py).
+
+vLLM's scheduler already picks each step's draft count from ``dynamic_sd_lookup[batch size]`` (its dynamic
+speculative decoding schedule); here that lookup is a ``CostAwareBudget``, fed from what ``update_from_output``
+sees: each verified request's accepted count (through ``make_spec_decoding_stats``, which vLLM calls once per
+request with drafts) and the time each step's output arrives. ``config.use_cost_aware_scheduler`` names
+``make_scheduler`` as vLLM's ``scheduler_cls``; it builds on vLLM's synchronous or asynchronous scheduler, whichever
+the engine runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_ddtree.budget_policy import CostAwareBudget
+
+logger = init_logger(__name__)
+
+
+def verified_budget(scheduler_output: Any) -> tuple[int, bool]:
+    """The drafts per request a step verified, and whether the step verified exactly that many for every request
+    and ran nothing else."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    counts = {len(drafts.get(req, ())) for req in scheduler_output.num_scheduled_tokens}
+    budget = max(counts, default=0)
+    verify_only = (
+        budget > 0 and len(counts) == 1 and not scheduler_output.scheduled_new_reqs
+        and all(n == 1 + budget for n in scheduler_output.num_scheduled_tokens.values())
+    )
+    return budget, verify_only
+
+
+class _CostAwareBudgetMixin:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.budget_policy = CostAwareBudget(self.vllm_config.speculative_config.tree_budgets)
+        self.dynamic_sd_lookup = self.budget_policy
+
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                                 num_invalid_spec_tokens, request_id):
+        self.budget_policy.observe_request(num_accepted_tokens)
+        return super().make_spec_decoding_stats(spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                                                num_invalid_spec_tokens, request_id)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        budget, verify_only = verified_budget(scheduler_output)
+        self.budget_policy.observe_step(len(scheduler_output.num_scheduled_tokens), budget, verify_only)
+        return outputs
+
+    def shutdown(self) -> None:
+        logger.info("ddtree cost-aware budget, verify steps: %s", self.budget_policy.summary())
+        super().shutdown()
+
+
+class CostAwareScheduler(_CostAwareBudgetMixin, Scheduler):
+    pass
+
+
+class AsyncCostAwareScheduler(_CostAwareBudgetMixin, AsyncScheduler):
+    pass
+
+
+def make_scheduler(*, vllm_config: Any, **kwargs: Any) -> Scheduler:
+    """vLLM's ``scheduler_cls``: called as the class would be, once the engine knows whether it schedules
+    asynchronously (the CPU platform turns it off after the config's default)."""
+    cls = AsyncCostAwareScheduler if vllm_config.scheduler_config.async_scheduling else CostAwareScheduler
+    return cls(vllm_config=vllm_config, **kwargs)

@@ -6,13 +6,15 @@ scheduler picks the budget b that maximises expected tokens per second,
 
     n * (1 + accepted(b)) / step_time(n, b)
 
-- ``accepted(b)``: mean accepted drafts per request over recent steps verified at b (exponential moving average);
+- ``accepted(b)``: mean accepted drafts over the last ``window`` requests verified at b (a step at batch 1 gives
+  one sample, and one request's acceptance varies from 0 to the tree's depth: an average over requests, not steps);
 - ``step_time(n, b)``: mean wall time between consecutive step outputs, for steps of n's batch bucket (n rounded up
   to a power of two) verified at b; only steps that verified trees and nothing else, after a step that did the same,
   so prefills and idle gaps do not count.
 
 Both come from what vLLM's scheduler already sees on the host (each output's accepted counts and when it arrives),
-so the choice costs no device sync. A budget not yet measured for a bucket is tried first. Then every
+so the choice costs no device sync. A budget not yet measured for a bucket (fewer than ``min_requests`` requests, or
+no step time) is tried first. Then every
 ``probe_every``-th step of a bucket verifies a budget next to the best one (tokens/s is unimodal in the budget:
 CaDDTree), alternating below and above, so the estimates follow the workload: when nothing is accepted the smallest
 budget wins; when the trees' acceptance pays for a larger verify, a larger one does.
@@ -21,6 +23,7 @@ budget wins; when the trees' acceptance pays for a larger verify, a larger one d
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 
@@ -35,6 +38,21 @@ class _Average:
         self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
 
 
+class _Window:
+    """Mean of the last ``size`` samples; None until ``least`` samples."""
+
+    def __init__(self, size: int, least: int):
+        self.samples: deque[float] = deque(maxlen=size)
+        self.least = least
+
+    def extend(self, samples: Sequence[float]) -> None:
+        self.samples.extend(samples)
+
+    @property
+    def value(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if len(self.samples) >= self.least else None
+
+
 def batch_bucket(batch_size: int) -> int:
     """Batch sizes that share step-time estimates: 1, 2, 3-4, 5-8, 9-16, ..."""
     return max(batch_size - 1, 0).bit_length()
@@ -46,13 +64,14 @@ class CostAwareBudget:
     ``budget[batch_size]`` stands in for vLLM's dynamic speculative decoding lookup (``Scheduler.dynamic_sd_lookup``);
     the scheduler reports each verified request (``observe_request``) and each step's output (``observe_step``)."""
 
-    def __init__(self, budgets: Sequence[int], *, weight: float = 0.2, probe_every: int = 32,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, budgets: Sequence[int], *, window: int = 32, min_requests: int = 8, weight: float = 0.2,
+                 probe_every: int = 32, clock: Callable[[], float] = time.monotonic):
+        """``weight``: of each new step time in its bucket's moving average."""
         self.budgets = tuple(sorted(set(budgets)))
         self.weight = weight
         self.probe_every = probe_every
         self.clock = clock
-        self.accepted = {b: _Average(weight) for b in self.budgets}
+        self.accepted = {b: _Window(window, min_requests) for b in self.budgets}
         self.step_time: dict[tuple[int, int], _Average] = {}
         self.choices: dict[int, int] = {}  # per bucket: steps chosen so far
         self.verified: dict[tuple[int, int], int] = {}  # (bucket, budget): verify-only steps seen
@@ -99,8 +118,7 @@ class CostAwareBudget:
         if verify_only and budget in self.accepted:
             key = (batch_bucket(batch_size), budget)
             self.verified[key] = self.verified.get(key, 0) + 1
-            if accepted:
-                self.accepted[budget].add(sum(accepted) / len(accepted))
+            self.accepted[budget].extend(accepted)
             if self._last_clean and self._last_output is not None:
                 self._time(batch_bucket(batch_size), budget).add(now - self._last_output)
         self._last_output, self._last_clean = now, verify_only

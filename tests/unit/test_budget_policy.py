@@ -62,6 +62,21 @@ def test_settles_on_the_budget_with_the_most_tokens_per_second(seconds, accepted
     assert set(counts) - {best} == neighbours, counts
 
 
+def test_settles_at_batch_1_where_each_request_accepts_anything_from_0_to_the_depth():
+    """One request per step, its accepted count drawn from 0..2 x mean (a step's sample says little): the choice
+    rests on the last requests' mean, not on the last step."""
+    import random
+
+    draw = random.Random(0)
+    seconds = {16: 1.0, 32: 1.2, 64: 2.0}
+    mean = {16: 3.0, 32: 6.0, 64: 7.0}  # tokens per second 4, 5.83, 4
+
+    policy = CostAwareBudget([16, 32, 64])
+    chosen = Engine(policy, lambda n, b: seconds[b], lambda b: draw.randint(0, int(2 * mean[b]))).run(1, 800)
+    counts = settled(chosen, 512)
+    assert counts[32] >= 512 - 512 // 32 - 8, counts
+
+
 def test_each_batch_bucket_gets_its_own_budget():
     """Verify cost grows with the tokens a step verifies (batch x (1 + budget)) past a memory-bound floor: a big
     tree pays at batch 1 and not at batch 16, with the same acceptance."""
@@ -102,16 +117,20 @@ def test_only_verify_steps_after_verify_steps_are_timed():
         policy.observe_step(1, 8, verify_only=verify_only)
         if step == 1:
             assert policy.step_time.get((0, 8)) is None or policy.step_time[(0, 8)].value is None
-            assert policy.accepted[8].value == 3
+            assert list(policy.accepted[8].samples) == [3]
     assert policy.step_time[(0, 8)].value == 1.0  # step 2 only: steps 1 and 4 followed a prefill
-    assert policy.summary() == "batch 1: B=8: 3 steps (4.00 tokens / 1000.00 ms), B=16: 0 steps"
+    assert policy.summary() == "batch 1: B=8: 3 steps, B=16: 0 steps"  # 3 requests: not yet a measurement
+    assert list(policy.accepted[8].samples) == [3, 3, 3]
 
 
 def test_unmeasured_budgets_are_tried_first():
-    policy = CostAwareBudget([32, 8, 16])
+    """Measured: a step time for the batch bucket and at least min_requests requests' acceptance."""
+    policy = CostAwareBudget([32, 8, 16], min_requests=4)
     assert policy[4] == 8
-    policy.accepted[8].add(2.0)
     policy._time(batch_bucket(4), 8).add(1.0)
+    policy.accepted[8].extend([2, 2, 2])
+    assert policy[4] == 8 and policy.expected_rate(4, 8) is None
+    policy.accepted[8].extend([2])
     assert policy[4] == 16
     assert policy.expected_rate(4, 8) == 3.0 and policy.expected_rate(4, 16) is None
 

@@ -1,4 +1,5 @@
-"""Cost-aware tree budget: each step's budget from measured step time and live acceptance (issue 19).
+"""Cost-aware tree budget: each step's budget from measured step time and live acceptance (issue 19;
+docs/cost-aware-budget.md).
 
 With ``"tree_budgets": [b1, b2, ...]`` the engine can verify any of those budgets (each gets its CUDA graphs, as
 vLLM's dynamic speculative decoding schedule does). Before each step, for the batch size n it is about to run, the

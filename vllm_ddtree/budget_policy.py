@@ -9,9 +9,9 @@ scheduler picks the budget b that maximises expected tokens per second,
 
 - ``accepted(b)``: mean accepted drafts over the last ``window`` requests verified at b (a step at batch 1 gives
   one sample, and one request's acceptance varies from 0 to the tree's depth: an average over requests, not steps);
-- ``step_time(n, b)``: moving average of the wall time between consecutive step outputs, for steps of n's batch bucket (n rounded up
-  to a power of two) verified at b; only steps that verified trees and nothing else, after a step that did the same,
-  so prefills and idle gaps do not count.
+- ``step_time(n, b)``: moving average of the wall time between consecutive step outputs, for steps of n's batch
+  bucket (n rounded up to a power of two) verified at b; only steps that verified trees and nothing else, after a
+  step that did the same, so prefills and idle gaps do not count.
 
 Both come from what vLLM's scheduler already sees on the host (each output's accepted counts and when it arrives),
 so the choice costs no device sync. A budget not yet measured for a bucket (fewer than ``min_requests`` requests, or

@@ -170,7 +170,7 @@ def test_tree_gdn_with_deferred_leaves_computes_the_same_bits(seed):
     o, states = run_tree_gdn(s, node_states=torch.zeros(t, HV, V, K), node_state_indices=plan.node_state_indices,
                              leaves=plan)
     internal = plan.node_state_indices >= 0
-    deferred = plan.deferred.bool()
+    deferred = plan.leaf
     assert int(deferred.sum()) >= 8 and int(internal.sum()) >= 8  # both kernels have work in these trees
     assert torch.equal(o, o_ref)
     assert torch.equal(states[internal], states_ref[internal])
@@ -182,11 +182,68 @@ def test_deferred_leaves_plan():
     parent's stored state (absolute rows), roots never deferred."""
     parents = torch.tensor([-1, 0, 0, 1, -1, 0, 1, 0], dtype=torch.int32)  # two requests: rows 0-3, 4-7
     plan = deferred_leaves(parents, torch.tensor([0, 4, 8], dtype=torch.int32))
-    assert plan.deferred.tolist() == [False, False, True, True, False, False, True, True]
+    assert plan.leaf.tolist() == [False, False, True, True, False, False, True, True]
     assert plan.node_state_indices.tolist() == [0, 1, -1, -1, 4, 5, -1, -1]
     assert plan.main_order[:4].tolist() == [0, 1, 4, 5]
     assert plan.main_start.tolist() == [0, 2, 4]
     assert plan.leaf_state_rows.tolist() == [-1, -1, 0, 1, -1, -1, 5, 4]
+
+
+def test_leaf_products_plan():
+    """Leaves by the main kernel: a state is stored only where a later node of the main order reloads it, and each
+    node's leaves are listed together (absolute tokens); by parent: every state of a node with children stored."""
+    # Request 0 (rows 0-4): the root's two children both have children, so node 2 reloads the root's state.
+    # Request 1 (rows 5-8): node 6 follows its parent 5, nothing reloaded.
+    parents = torch.tensor([-1, 0, 0, 1, 2, -1, 0, 1, 0], dtype=torch.int32)
+    plan = deferred_leaves(parents, torch.tensor([0, 5, 9], dtype=torch.int32), by="main")
+    assert plan.node_state_indices.tolist() == [0, -1, -1, -1, -1, -1, -1, -1, -1]
+    assert plan.main_order[:5].tolist() == [0, 1, 2, 5, 6]
+    assert plan.main_start.tolist() == [0, 3, 5]
+    assert plan.leaf.tolist() == [False, False, False, True, True, False, False, True, True]
+    assert plan.leaf_order[:4].tolist() == [3, 4, 8, 7]
+    assert plan.leaf_start.tolist() == [0, 0, 1, 2, 2, 2, 3, 4, 4, 4]
+    by_parent = deferred_leaves(parents, torch.tensor([0, 5, 9], dtype=torch.int32), by="parent")
+    assert by_parent.node_state_indices.tolist() == [0, 1, 2, -1, -1, 5, 6, -1, -1]
+    assert torch.equal(by_parent.leaf_order, plan.leaf_order) and torch.equal(by_parent.leaf_start, plan.leaf_start)
+    with pytest.raises(ValueError, match="expected one of"):
+        deferred_leaves(parents, torch.tensor([0, 5, 9], dtype=torch.int32), by="leaves")
+
+
+def star_and_random_step(seed: int):
+    """``make_step`` with a last request whose root has 20 leaf children and one child with 2 (more leaves than one
+    product takes, LB = 16), beside random trees."""
+    s = make_step(seed, sizes=(7, 1, 13, 4, 24))
+    s["parents"][-1] = [-1] + [0] * 20 + [1, 1, 0]  # node 1 has two leaf children, node 0 all the rest
+    s["flat_parents"] = torch.tensor([p for ps in s["parents"] for p in ps], dtype=torch.int32)
+    return s
+
+
+@pytest.mark.parametrize("by", ["parent", "main"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_gdn_with_leaf_products_matches_reference(seed, by):
+    """Leaves as products of their parent's state (``DeferredLeaves.by`` "parent" / "main"): every output equals the
+    float64 tree reference as the one-kernel run does, the stored states bit for bit (the main kernel's own
+    updates), and no other state is written."""
+    s = star_and_random_step(seed)
+    t = len(s["flat_parents"])
+    o_one, states_one = run_tree_gdn(s)
+    plan = deferred_leaves(s["flat_parents"], s["qsl"], by=by)
+    o, states = run_tree_gdn(s, node_states=torch.zeros(t, HV, V, K), node_state_indices=plan.node_state_indices,
+                             leaves=plan)
+    stored = plan.node_state_indices >= 0
+    assert int(plan.leaf.sum()) >= 25
+    if by == "main":  # some nodes continue from registers, some reload
+        assert 0 < int(stored.sum()) < int((~plan.leaf).sum())
+    assert torch.equal(states[stored], states_one[stored])
+    assert not states[~stored].any(), "a state nobody reloads was stored"
+    for n, ps in enumerate(s["parents"]):
+        lo, hi = int(s["qsl"][n]), int(s["qsl"][n + 1])
+        h0 = s["ssm_state"][int(s["spec_idx"][n, int(s["num_acc"][n]) - 1])]
+        sl = slice(lo, hi)
+        o_ref, _ = gdn_tree_reference(s["q"][sl], s["k"][sl], s["v"][sl], s["a"][sl], s["b"][sl], s["A_log"],
+                                      s["dt_bias"], h0, ps)
+        torch.testing.assert_close(o[0, sl].double(), o_ref, rtol=0, atol=ATOL)
+    torch.testing.assert_close(o, o_one, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -123,6 +123,7 @@ CALLS = [
     ("test_hybrid_gdn", "test_tree_gdn_with_leaf_products_matches_reference", {"seed": 0, "by": "main"}),
     ("test_hybrid_gdn", "test_tree_gdn_with_leaf_products_matches_reference", {"seed": 0, "by": "parent"}),
     ("test_hybrid_gdn", "test_move_conv_columns_equals_the_relayout_plan", {"seed": 0}),
+    ("test_hybrid_gdn", "test_stash_keeps_a_layers_rows_in_one_launch", {"tokens": 70}),
     ("test_mrv2_ddtree", "test_prepare_rows_kernel_equals_its_torch_reference", {"seed": 0, "tamper": "mrope"}),
     ("test_tree_build", "test_build_matches_heap_random",
      {"budget": 16, "vocab_vs_budget": "vocab_above_budget", "build": {"use_triton": True}}),

@@ -450,6 +450,29 @@ def make_hooks(s, tree_rows, masks=None, trees_at=None):
     return hooks, stash, layer
 
 
+@pytest.mark.parametrize("tokens", [5, 70])
+def test_stash_keeps_a_layers_rows_in_one_launch(tokens):
+    """``ReplayStash.keep``: this layer's first min(T, stash) rows of q, k, v and of a, b (strided column halves of
+    one [T, 2 HV] tensor, as vLLM splits them) land in its stash rows, bit for bit; nothing else is written."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.hybrid.replay_layout import ReplayStash
+
+    layer = SimpleNamespace(A_log=torch.zeros(HV), num_k_heads=H, num_v_heads=HV, tp_size=1, head_k_dim=K,
+                            head_v_dim=V)
+    stash = ReplayStash([layer, layer], 64, 8, torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(tokens)
+    q, k = (torch.randn(1, tokens, H, K, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(1, tokens, HV, V, generator=gen).bfloat16()
+    b, a = torch.randn(tokens, 2 * HV, generator=gen).bfloat16().chunk(2, dim=-1)
+    assert not a.is_contiguous()
+    stash.keep(1, q, k, v, a, b)
+    n = min(tokens, 64)
+    for kept, source in ((stash.q, q[0]), (stash.k, k[0]), (stash.v, v[0]), (stash.a, a), (stash.b, b)):
+        assert torch.equal(kept[1, :n], source[:n])
+        assert not kept[1, n:].any() and not kept[0].any()
+
+
 def one_block_per_request(s):
     """``s`` as vLLM's GDN metadata names state in the replay layout: the request's one block in every spec column."""
     blocks = s["spec_idx"][:, 0]

@@ -29,6 +29,8 @@ import dataclasses
 import logging
 
 import torch
+import triton
+import triton.language as tl
 
 from vllm_ddtree.hybrid.tree_gdn import DeferredLeaves, deferred_leaves
 
@@ -101,13 +103,44 @@ class ReplayStash:
 
     def keep(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
              b: torch.Tensor) -> None:
-        """One layer's spec-token inputs (q, k, v ``[1, T, ...]``, a, b ``[T, HV]``) until the relayout."""
+        """One layer's spec-token inputs (q, k, v ``[1, T, ...]``, a, b ``[T, HV]``) until the relayout: one launch
+        for the five (``_keep_rows_kernel``), where five copies were 5 x 48 launches per step on Qwen3.6-27B
+        (``memcpy32_post``, +260 us of device time at batch 1 in the 2026-12-04 profile, benchmarks/README.md)."""
         n = min(q.shape[1], self.max_tokens)
-        self.q[layer, :n].copy_(q[0, :n])
-        self.k[layer, :n].copy_(k[0, :n])
-        self.v[layer, :n].copy_(v[0, :n])
-        self.a[layer, :n].copy_(a[:n])
-        self.b[layer, :n].copy_(b[:n])
+        if n == 0:
+            return
+        sources = (q[0, :n], k[0, :n], v[0, :n], a[:n], b[:n])
+        targets = (self.q[layer], self.k[layer], self.v[layer], self.a[layer], self.b[layer])
+        if not all(x[0].is_contiguous() and x.dtype == self.q.dtype for x in sources) or a.shape[1] > 1024:
+            for target, source in zip(targets, sources):  # a layout the kernel does not take: plain copies
+                target[:n].copy_(source)
+            return
+        width_qk, width_v, width_ab = (x[0].numel() for x in (q[0], v[0], a))
+        _keep_rows_kernel[(n,)](
+            *sources, *targets, *(x.stride(0) for x in sources),
+            WIDTH_QK=width_qk, WIDTH_V=width_v, WIDTH_AB=width_ab, BLOCK=1024, num_warps=4,
+        )
+
+
+@triton.jit
+def _keep_rows_kernel(q, k, v, a, b, sq, sk, sv, sa, sb, stride_q, stride_k, stride_v, stride_a, stride_b,
+                      WIDTH_QK: tl.constexpr, WIDTH_V: tl.constexpr, WIDTH_AB: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``tok``: token tok's q, k, v, a, b rows (each row contiguous, rows at the given strides) into the
+    stash's rows (contiguous)."""
+    tok = tl.program_id(0).to(tl.int64)
+    for start in range(0, WIDTH_QK, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = o < WIDTH_QK
+        tl.store(sq + tok * WIDTH_QK + o, tl.load(q + tok * stride_q + o, mask=m), mask=m)
+        tl.store(sk + tok * WIDTH_QK + o, tl.load(k + tok * stride_k + o, mask=m), mask=m)
+    for start in range(0, WIDTH_V, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = o < WIDTH_V
+        tl.store(sv + tok * WIDTH_V + o, tl.load(v + tok * stride_v + o, mask=m), mask=m)
+    o = tl.arange(0, BLOCK)
+    m = o < WIDTH_AB
+    tl.store(sa + tok * WIDTH_AB + o, tl.load(a + tok * stride_a + o, mask=m), mask=m)
+    tl.store(sb + tok * WIDTH_AB + o, tl.load(b + tok * stride_b + o, mask=m), mask=m)
 
 
 def stash_size(vllm_config) -> tuple[int, int]:

@@ -191,6 +191,32 @@ def compiled(kernel: JITFunction) -> int:
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
 
+def register_use(kernel: JITFunction) -> list[str]:
+    """``registers/spilled bytes`` of each compiled variant, from ``ptxas -v`` on its PTX (the compile-only driver
+    loads no binary, so Triton never reports them here). A kernel near 255 registers or spilling is worth a look:
+    the GDN tree kernel's leaf products spilled with 32 value rows per program and do not with 16."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90)
+    ptxas = getattr(ptxas, "path", ptxas)
+    uses = []
+    for cache in kernel.device_caches.values():
+        for variant in cache[0].values():
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+                ptx.write(variant.asm["ptx"])
+                ptx.flush()
+                log = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", "/dev/null"], capture_output=True,
+                                     text=True).stderr
+            registers = re.search(r"Used (\d+) registers", log)
+            spills = re.search(r"(\d+) bytes spill stores", log)
+            uses.append(f"{registers.group(1) if registers else '?'}/{spills.group(1) if spills else '?'}")
+    return uses
+
+
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     failures = []
@@ -209,7 +235,7 @@ def main() -> int:
     kernels = package_kernels()
     for name, kernel in sorted(kernels.items()):
         count = compiled(kernel)
-        print(f"{name}: {count} sm_90 variant(s)")
+        print(f"{name}: {count} sm_90 variant(s), registers/spilled bytes {' '.join(register_use(kernel))}")
         if count == 0:
             failures.append(f"{name}: no listed test launched it (add one to CALLS)")
     print(f"{len(kernels)} kernels; failures: {failures}")

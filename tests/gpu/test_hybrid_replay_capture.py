@@ -92,3 +92,33 @@ def on_device(dev, *objects):
         for name, value in vars(obj).items():
             if isinstance(value, torch.Tensor):
                 setattr(obj, name, value.to(dev))
+
+
+@pytest.mark.parametrize("by", ["parent", "main"])
+def test_leaf_products_compiled_equal_the_one_kernel_run(by):
+    """``DeferredLeaves.by`` "parent" / "main" compiled for the GPU (the products on tensor cores, ``tf32x3``): the
+    unit test's trees (a root with 20 leaf children beside random ones) and Qwen3.6-27B's heads (16 q/k, 48 v, dim
+    128) with float32 inputs; outputs within float32 rounding of the one-kernel run, stored states bit for bit."""
+    from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
+
+    dev = torch.device("cuda")
+    step = unit.star_and_random_step(3)
+    gen = torch.Generator().manual_seed(3)
+    for heads_k, heads_v, dim in ((unit.H, unit.HV, unit.K), (16, 48, 128)):
+        s = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in step.items()}
+        t = s["flat_parents"].shape[0]
+        if dim != unit.K:  # the 27B's heads: new inputs and states, the same trees
+            q, k = (torch.randn(t, heads_k, dim, generator=gen).to(dev) for _ in range(2))
+            v = torch.randn(t, heads_v, dim, generator=gen).to(dev)
+            a, b = (torch.randn(t, heads_v, generator=gen).to(dev) for _ in range(2))
+            s.update(q=q, k=k, v=v, a=a, b=b, A_log=torch.rand(heads_v, generator=gen).to(dev) - 0.5,
+                     dt_bias=torch.rand(heads_v, generator=gen).to(dev) * 0.2,
+                     ssm_state=torch.randn(s["ssm_state"].shape[0], heads_v, dim, dim, generator=gen).to(dev) * 0.3)
+        o_one, states_one = unit.run_tree_gdn(s)
+        plan = deferred_leaves(s["flat_parents"], s["qsl"], by=by)
+        o, states = unit.run_tree_gdn(s, node_states=torch.zeros(t, heads_v, dim, dim, device=dev),
+                                      node_state_indices=plan.node_state_indices, leaves=plan)
+        stored = plan.node_state_indices >= 0
+        torch.testing.assert_close(o, o_one, rtol=1e-4, atol=1e-5)
+        assert torch.equal(states[stored], states_one[stored])
+        assert not states[~stored].any()

@@ -14,7 +14,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_replay_step_captured_in_cuda_graphs_equals_eager_and_the_tree_kernel():
+@pytest.mark.parametrize("leaves_by", ["leaf", "parent", "main"])
+def test_replay_step_captured_in_cuda_graphs_equals_eager_and_the_tree_kernel(leaves_by):
     from vllm_ddtree.hybrid.tree_gdn import tree_fused_sigmoid_gating_delta_rule_update
 
     dev = torch.device("cuda")
@@ -22,7 +23,7 @@ def test_replay_step_captured_in_cuda_graphs_equals_eager_and_the_tree_kernel():
     spec_rows, rows = [0, 2, 3, 4], 6  # row 1 prefills, row 5 is graph padding
     masks = torch.zeros(rows - 1, dtype=torch.bool)
     masks[spec_rows] = True
-    hooks, stash, layer = unit.make_hooks(step, torch.arange(rows, dtype=torch.int32), masks, spec_rows)
+    hooks, stash, layer = unit.make_hooks(step, torch.arange(rows, dtype=torch.int32), masks, spec_rows, leaves_by)
     on_device(dev, hooks, hooks.trees, stash)
     s = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in step.items()}
     layer.A_log, layer.dt_bias = s["A_log"], s["dt_bias"]
@@ -59,7 +60,9 @@ def test_replay_step_captured_in_cuda_graphs_equals_eager_and_the_tree_kernel():
         s["A_log"], s["a"], s["b"], s["dt_bias"], s["q"][None], s["k"][None], s["v"][None], s["flat_parents"],
         initial_state=s["ssm_state"], cu_seqlens=s["qsl"], ssm_state_indices=blocks[:, None],
         use_qk_l2norm_in_kernel=True)
-    torch.testing.assert_close(o_eager, o_t, rtol=0, atol=0)
+    # Leaves as products of their parent's state: float32 rounding apart (tensor cores, tf32x3).
+    torch.testing.assert_close(o_eager, o_t, rtol=0 if leaves_by == "leaf" else 1e-4,
+                               atol=0 if leaves_by == "leaf" else 1e-5)
     for i in range(n):
         last = int(s["qsl"][i]) + int(acc[i, int(num[i]) - 1])
         torch.testing.assert_close(ssm_eager[int(blocks[i])], states_t[last], rtol=0, atol=0)

@@ -203,6 +203,19 @@ def _nth_token(main_order, m0, i, bos, DEFER_LEAVES: tl.constexpr):
 
 
 @triton.jit
+def _stored_state_tile(hs, row, stride_hs, A_log, dt_bias, i_v, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """For the leaf kernels: the program's q/k head, its tile of the node state stored at ``row`` (float32) and the
+    value head's A and dt_bias."""
+    i_h = i_hv // (HV // H)
+    o_k, o_v, mask_k, mask_v, mask_h, h_off = _state_tile(i_v, i_hv, K, V, BK, BV)
+    b_h = tl.load(hs + row * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
+    A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+    return i_h, o_k, o_v, mask_k, mask_v, b_h, A, dtb
+
+
+@triton.jit
 def _tree_gdn_leaves_kernel(
     A_log, a, b, dt_bias, q, k, v, o, hs, leaf_state_rows,
     softplus_beta, threshold, scale,
@@ -216,11 +229,8 @@ def _tree_gdn_leaves_kernel(
     row = tl.load(leaf_state_rows + tok).to(tl.int64)
     if row < 0:  # not a deferred leaf
         return
-    i_h = i_hv // (HV // H)
-    o_k, o_v, mask_k, mask_v, mask_h, h_off = _state_tile(i_v, i_hv, K, V, BK, BV)
-    b_h = tl.load(hs + row * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
-    A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+    i_h, o_k, o_v, mask_k, mask_v, b_h, A, dtb = _stored_state_tile(hs, row, stride_hs, A_log, dt_bias, i_v, i_hv,
+                                                                     H, HV, K, V, BK, BV)
     b_q, b_k, b_v, b_b, b_a = _qkvba(q, k, v, a, b, tok.to(tl.int64), i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K,
                                      V)
     _, b_o = _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
@@ -243,11 +253,8 @@ def _tree_gdn_parent_leaves_kernel(
     row = tl.load(node_state_indices + tok).to(tl.int64)
     if row < 0:  # graph padding past the workspace (ReplayStash.record_step)
         return
-    i_h = i_hv // (HV // H)
-    o_k, o_v, mask_k, mask_v, mask_h, h_off = _state_tile(i_v, i_hv, K, V, BK, BV)
-    b_h = tl.load(hs + row * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
-    A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+    i_h, o_k, o_v, mask_k, mask_v, b_h, A, dtb = _stored_state_tile(hs, row, stride_hs, A_log, dt_bias, i_v, i_hv,
+                                                                     H, HV, K, V, BK, BV)
     _leaf_products(b_h, tok, leaf_order, leaf_start, q, k, v, a, b, o, A, dtb, softplus_beta, threshold, scale,
                    i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, LB, USE_QK_L2NORM_IN_KERNEL)
 

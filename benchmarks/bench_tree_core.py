@@ -537,25 +537,17 @@ def setup_gdn_tree(case: Case) -> Step:
     return _gdn_verify(_gdn_inputs(case, chain=False))
 
 
-def _gdn_deferred(x: dict, by: str) -> Step:
-    """``_gdn_verify`` with the leaves deferred (``tree_gdn.deferred_leaves(..., by=by)``); the split is built once
-    per step for every layer, so it is not timed."""
+def _verify_gdn_deferred(case: Case) -> str:
+    """The deferred-leaves run against the one-kernel run: the same arithmetic, so equal up to the compiler's
+    contractions across two kernels."""
     from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
 
-    plan = deferred_leaves(x["parents"], x["qsl"], by=by)
-    return _gdn_verify(dict(x, stored=plan.node_state_indices), leaves=plan)
-
-
-def _verify_gdn_deferred(case: Case, by: str = "leaf") -> str:
-    """A deferred-leaves run against the one-kernel run. By leaf: the same arithmetic, so equal up to the compiler's
-    contractions across two kernels. By parent or main: the leaves' outputs in another order (``_leaf_products``),
-    equal up to float32 rounding before the outputs' own rounding to the case's dtype (one bf16 step: 2^-8)."""
     x = _gdn_inputs(case, chain=False)
     o_ref, _ = _gdn_verify(x)()
-    o, _ = _gdn_deferred(x, by)()
-    excess = (o.float() - o_ref.float()).abs() - (0 if by == "leaf" else 2**-8 * o_ref.float().abs())
-    worst = float(excess.max())
-    return "ok" if worst <= 1e-3 else f"differs from the one-kernel run by {worst:.3g} beyond its tolerance"
+    plan = deferred_leaves(x["parents"], x["qsl"])
+    o, _ = _gdn_verify(dict(x, stored=plan.node_state_indices), leaves=plan)()
+    worst = float((o.float() - o_ref.float()).abs().max())
+    return "ok" if worst <= 1e-3 else f"differs from the one-kernel run by {worst:.3g}"
 
 
 @register("gdn_tree_deferred", verify=_verify_gdn_deferred)
@@ -563,22 +555,11 @@ def setup_gdn_tree_deferred(case: Case) -> Step:
     """``gdn_tree`` with the leaves deferred to the leaf kernel (``tree_gdn.deferred_leaves``; what the verify
     forward runs since 2026-12-04): the main kernel runs roots and nodes with children, storing each one's state,
     one program per leaf the leaves; the split is built once per step for every layer, so it is not timed."""
-    return _gdn_deferred(_gdn_inputs(case, chain=False), "leaf")
+    from vllm_ddtree.hybrid.tree_gdn import deferred_leaves
 
-
-@register("gdn_tree_by_parent", verify=lambda case: _verify_gdn_deferred(case, "parent"))
-def setup_gdn_tree_by_parent(case: Case) -> Step:
-    """``gdn_tree_deferred`` with a program per node with leaves instead of per leaf: its stored state read once,
-    its leaves' outputs matrix products of it (``DeferredLeaves.by == "parent"``; untimed before 2026-12-04)."""
-    return _gdn_deferred(_gdn_inputs(case, chain=False), "parent")
-
-
-@register("gdn_tree_by_main", verify=lambda case: _verify_gdn_deferred(case, "main"))
-def setup_gdn_tree_by_main(case: Case) -> Step:
-    """``gdn_tree_deferred`` with the leaves computed in the main kernel, as products of their parent's state while
-    it is in registers, and only reloaded states stored (``DeferredLeaves.by == "main"``; untimed before
-    2026-12-04)."""
-    return _gdn_deferred(_gdn_inputs(case, chain=False), "main")
+    x = _gdn_inputs(case, chain=False)
+    plan = deferred_leaves(x["parents"], x["qsl"])
+    return _gdn_verify(dict(x, stored=plan.node_state_indices), leaves=plan)
 
 
 @register("gdn_conv")

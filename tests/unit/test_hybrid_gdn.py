@@ -170,7 +170,7 @@ def test_tree_gdn_with_deferred_leaves_computes_the_same_bits(seed):
     o, states = run_tree_gdn(s, node_states=torch.zeros(t, HV, V, K), node_state_indices=plan.node_state_indices,
                              leaves=plan)
     internal = plan.node_state_indices >= 0
-    deferred = plan.leaf
+    deferred = plan.deferred.bool()
     assert int(deferred.sum()) >= 8 and int(internal.sum()) >= 8  # both kernels have work in these trees
     assert torch.equal(o, o_ref)
     assert torch.equal(states[internal], states_ref[internal])
@@ -182,68 +182,11 @@ def test_deferred_leaves_plan():
     parent's stored state (absolute rows), roots never deferred."""
     parents = torch.tensor([-1, 0, 0, 1, -1, 0, 1, 0], dtype=torch.int32)  # two requests: rows 0-3, 4-7
     plan = deferred_leaves(parents, torch.tensor([0, 4, 8], dtype=torch.int32))
-    assert plan.leaf.tolist() == [False, False, True, True, False, False, True, True]
+    assert plan.deferred.tolist() == [False, False, True, True, False, False, True, True]
     assert plan.node_state_indices.tolist() == [0, 1, -1, -1, 4, 5, -1, -1]
     assert plan.main_order[:4].tolist() == [0, 1, 4, 5]
     assert plan.main_start.tolist() == [0, 2, 4]
     assert plan.leaf_state_rows.tolist() == [-1, -1, 0, 1, -1, -1, 5, 4]
-
-
-def test_leaf_products_plan():
-    """Leaves by the main kernel: a state is stored only where a later node of the main order reloads it, and each
-    node's leaves are listed together (absolute tokens); by parent: every state of a node with children stored."""
-    # Request 0 (rows 0-4): the root's two children both have children, so node 2 reloads the root's state.
-    # Request 1 (rows 5-8): node 6 follows its parent 5, nothing reloaded.
-    parents = torch.tensor([-1, 0, 0, 1, 2, -1, 0, 1, 0], dtype=torch.int32)
-    plan = deferred_leaves(parents, torch.tensor([0, 5, 9], dtype=torch.int32), by="main")
-    assert plan.node_state_indices.tolist() == [0, -1, -1, -1, -1, -1, -1, -1, -1]
-    assert plan.main_order[:5].tolist() == [0, 1, 2, 5, 6]
-    assert plan.main_start.tolist() == [0, 3, 5]
-    assert plan.leaf.tolist() == [False, False, False, True, True, False, False, True, True]
-    assert plan.leaf_order[:4].tolist() == [3, 4, 8, 7]
-    assert plan.leaf_start.tolist() == [0, 0, 1, 2, 2, 2, 3, 4, 4, 4]
-    by_parent = deferred_leaves(parents, torch.tensor([0, 5, 9], dtype=torch.int32), by="parent")
-    assert by_parent.node_state_indices.tolist() == [0, 1, 2, -1, -1, 5, 6, -1, -1]
-    assert torch.equal(by_parent.leaf_order, plan.leaf_order) and torch.equal(by_parent.leaf_start, plan.leaf_start)
-    with pytest.raises(ValueError, match="expected one of"):
-        deferred_leaves(parents, torch.tensor([0, 5, 9], dtype=torch.int32), by="leaves")
-
-
-def star_and_random_step(seed: int):
-    """``make_step`` with a last request whose root has 20 leaf children and one child with 2 (more leaves than one
-    product takes, LB = 16), beside random trees."""
-    s = make_step(seed, sizes=(7, 1, 13, 4, 24))
-    s["parents"][-1] = [-1] + [0] * 20 + [1, 1, 0]  # node 1 has two leaf children, node 0 all the rest
-    s["flat_parents"] = torch.tensor([p for ps in s["parents"] for p in ps], dtype=torch.int32)
-    return s
-
-
-@pytest.mark.parametrize("by", ["parent", "main"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_tree_gdn_with_leaf_products_matches_reference(seed, by):
-    """Leaves as products of their parent's state (``DeferredLeaves.by`` "parent" / "main"): every output equals the
-    float64 tree reference as the one-kernel run does, the stored states bit for bit (the main kernel's own
-    updates), and no other state is written."""
-    s = star_and_random_step(seed)
-    t = len(s["flat_parents"])
-    o_one, states_one = run_tree_gdn(s)
-    plan = deferred_leaves(s["flat_parents"], s["qsl"], by=by)
-    o, states = run_tree_gdn(s, node_states=torch.zeros(t, HV, V, K), node_state_indices=plan.node_state_indices,
-                             leaves=plan)
-    stored = plan.node_state_indices >= 0
-    assert int(plan.leaf.sum()) >= 25
-    if by == "main":  # some nodes continue from registers, some reload
-        assert 0 < int(stored.sum()) < int((~plan.leaf).sum())
-    assert torch.equal(states[stored], states_one[stored])
-    assert not states[~stored].any(), "a state nobody reloads was stored"
-    for n, ps in enumerate(s["parents"]):
-        lo, hi = int(s["qsl"][n]), int(s["qsl"][n + 1])
-        h0 = s["ssm_state"][int(s["spec_idx"][n, int(s["num_acc"][n]) - 1])]
-        sl = slice(lo, hi)
-        o_ref, _ = gdn_tree_reference(s["q"][sl], s["k"][sl], s["v"][sl], s["a"][sl], s["b"][sl], s["A_log"],
-                                      s["dt_bias"], h0, ps)
-        torch.testing.assert_close(o[0, sl].double(), o_ref, rtol=0, atol=ATOL)
-    torch.testing.assert_close(o, o_one, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -425,9 +368,9 @@ def test_memory_numbers():
 # ---------------------------------------------------------------- (5) the hooks vLLM's GDN layer would call
 
 
-def make_hooks(s, tree_rows, masks=None, trees_at=None, leaves_by="leaf"):
+def make_hooks(s, tree_rows, masks=None, trees_at=None):
     """Hooks over one forward of ``s``'s spec sequences (batch rows ``trees_at``, default 0..n-1; ``masks``: which
-    batch rows are spec sequences), with a replay stash for its one GDN layer (``leaves_by``: ``ReplayStash``'s)."""
+    batch rows are spec sequences), with a replay stash for its one GDN layer."""
     from types import SimpleNamespace
 
     from vllm_ddtree.hybrid.gdn_hooks import GDNTreeHooks
@@ -442,7 +385,7 @@ def make_hooks(s, tree_rows, masks=None, trees_at=None, leaves_by="leaf"):
         trees.parents[r, : len(ps)] = torch.tensor(ps, dtype=torch.int32)
     layer = SimpleNamespace(A_log=s["A_log"], dt_bias=s["dt_bias"], num_k_heads=H, num_v_heads=HV, tp_size=1,
                             head_k_dim=K, head_v_dim=V)
-    stash = ReplayStash([layer], 64, 8, torch.float32, torch.device("cpu"), leaves_by)
+    stash = ReplayStash([layer], 64, 8, torch.float32, torch.device("cpu"))
     metadata = SimpleNamespace(spec_sequence_masks=masks, spec_query_start_loc=s["qsl"])
     forward = object()  # one forward: both hooks and every layer share its parents
     hooks = GDNTreeHooks(trees, tree_rows, 64, W, torch.device("cpu"), stash,
@@ -561,14 +504,12 @@ def step_target(budget, table, layers, accepted, num_accepted, live, replay=None
 # ---------------------------------------------------------------- (7) the replay layout: one state block per request
 
 
-@pytest.mark.parametrize("leaves_by", ["leaf", "parent", "main"])
-def test_replay_layout_leaves_each_block_as_a_chain_verify_of_the_accepted_path_would(leaves_by):
+def test_replay_layout_leaves_each_block_as_a_chain_verify_of_the_accepted_path_would():
     """One verify step in the replay layout, through the hooks and the target's relayout. Batch rows 0, 2, 3, 4 verify
     trees (spec sequences 0..3), row 1 prefills in the same step, row 5 is graph padding whose stale block table names
     a live block. The forward writes no state block; afterwards each verified request's one block holds its accepted
     path's last node state (bit for bit the tree kernel's) and its conv row is the persistent layout's relayout; the
-    prefill row's and the padding row's blocks are untouched. With the leaves as products of their parent's state
-    (``leaves_by`` "parent" / "main") the outputs equal the tree kernel's up to float32 rounding, the rest holds."""
+    prefill row's and the padding row's blocks are untouched."""
     from ddtree_testkit.sync_audit import SyncAudit
 
     gen = torch.Generator().manual_seed(13)
@@ -577,14 +518,13 @@ def test_replay_layout_leaves_each_block_as_a_chain_verify_of_the_accepted_path_
     spec_rows, prefill_row, rows = [0, 2, 3, 4], 1, 6
     masks = torch.zeros(rows - 1, dtype=torch.bool)
     masks[spec_rows] = True
-    hooks, stash, layer = make_hooks(s, torch.arange(rows, dtype=torch.int32), masks, spec_rows, leaves_by)
+    hooks, stash, layer = make_hooks(s, torch.arange(rows, dtype=torch.int32), masks, spec_rows)
     blocks = s["spec_idx"][:, 0]
     one_block = one_block_per_request(s)  # vLLM's graph-path metadata
     conv_h, ssm_h = s["conv_state"].clone(), s["ssm_state"].clone()
     syncs: list[dict] = []
     with SyncAudit(syncs):
         conv_out_h, o_h = run_hooks(one_block, hooks, conv_h, ssm_h)
-    assert hooks.leaves.by == leaves_by
     assert torch.equal(ssm_h, s["ssm_state"]), "the verify forward wrote a state block"
     conv_t = s["conv_state"].clone()
     torch.testing.assert_close(conv_out_h, run_tree_conv(s, conv_t), rtol=0, atol=0)  # the tree conv, via the hooks
@@ -593,7 +533,7 @@ def test_replay_layout_leaves_each_block_as_a_chain_verify_of_the_accepted_path_
         s["A_log"], s["a"], s["b"], s["dt_bias"], s["q"][None], s["k"][None], s["v"][None], s["flat_parents"],
         initial_state=s["ssm_state"], cu_seqlens=s["qsl"], ssm_state_indices=blocks[:, None],
         use_qk_l2norm_in_kernel=True)  # every node's state, from the block
-    torch.testing.assert_close(o_h, o_t, rtol=0, atol=0 if leaves_by == "leaf" else ATOL)
+    torch.testing.assert_close(o_h, o_t, rtol=0, atol=0)
 
     acc, num = random_accepted(s, gen)
     accepted = torch.zeros(8, SPEC + 1, dtype=torch.int32)

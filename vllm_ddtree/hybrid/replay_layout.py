@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.hybrid.tree_gdn import LEAVES_BY, DeferredLeaves, deferred_leaves
+from vllm_ddtree.hybrid.tree_gdn import DeferredLeaves, deferred_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +55,8 @@ class ReplayStash:
     """Per worker: this step's GDN inputs of every layer, the shared node-state workspace, and where each batch
     row's spec tokens start (static buffers: the verify forward and the relayout are CUDA-graph captured)."""
 
-    def __init__(self, layers: list, max_tokens: int, max_rows: int, dtype: torch.dtype, device: torch.device,
-                 leaves_by: str = "leaf"):
-        """``layers``: the target's GDN layer modules; the stash row of a layer is its place in this list.
-        ``leaves_by``: which tree-kernel program computes the leaves (``tree_gdn.DeferredLeaves``)."""
-        if leaves_by not in LEAVES_BY:
-            raise ValueError(f"ReplayStash: leaves_by={leaves_by!r}, expected one of {LEAVES_BY}")
-        self.leaves_by = leaves_by
+    def __init__(self, layers: list, max_tokens: int, max_rows: int, dtype: torch.dtype, device: torch.device):
+        """``layers``: the target's GDN layer modules; the stash row of a layer is its place in this list."""
         first = layers[0]
         heads_k, heads_v = first.num_k_heads // first.tp_size, first.num_v_heads // first.tp_size
         dim_k, dim_v = first.head_k_dim, first.head_v_dim
@@ -100,7 +95,7 @@ class ReplayStash:
         starts = spec_query_start_loc.to(torch.int64)[spec_index.clamp(max=spec_query_start_loc.shape[0] - 1)]
         self.row_start[:rows].copy_(torch.where(mask, starts, -1))
         self.row_start[rows:].fill_(-1)
-        plan = deferred_leaves(parents, spec_query_start_loc, by=self.leaves_by)
+        plan = deferred_leaves(parents, spec_query_start_loc)
         # Tokens past the stash are graph padding (no spec sequence holds them): never stored, never read.
         stored, leaf_rows = plan.node_state_indices, plan.leaf_state_rows
         return dataclasses.replace(plan, node_state_indices=torch.where(stored < self.max_tokens, stored, -1),

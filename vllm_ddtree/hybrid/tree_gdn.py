@@ -61,21 +61,16 @@ def _state_tile(i_v, i_hv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, B
 
 
 @triton.jit
-def _gate(b_a, b_b, A, dtb, softplus_beta, threshold):
-    """vLLM's gates of a token (or of a vector of tokens): log decay g = -A softplus(a + dt_bias), beta = sigmoid(b)."""
-    x = b_a + dtb
-    softplus_x = tl.where(
-        softplus_beta * x <= threshold, (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)), x
-    )
-    return -A * softplus_x, tl.sigmoid(b_b)
-
-
-@triton.jit
 def _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
                 USE_QK_L2NORM_IN_KERNEL: tl.constexpr):
     """One token's update of a state tile ``b_h`` [BV, BK] and its output, in vLLM's arithmetic (softplus gate,
     sigmoid beta, in-kernel q/k L2 norm, decay, delta update, read-out): returns (new state, output)."""
-    b_g, b_beta = _gate(b_a, b_b, A, dtb, softplus_beta, threshold)
+    x = b_a + dtb
+    softplus_x = tl.where(
+        softplus_beta * x <= threshold, (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)), x
+    )
+    b_g = -A * softplus_x
+    b_beta = tl.sigmoid(b_b)
     if USE_QK_L2NORM_IN_KERNEL:
         b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
         b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
@@ -88,53 +83,15 @@ def _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, 
     return b_h, b_o
 
 
-@triton.jit
-def _leaf_products(b_h, tok, leaf_order, leaf_start, q, k, v, a, b, o, A, dtb, softplus_beta, threshold, scale,
-                   i_h, i_hv, o_k, o_v, mask_k, mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   V: tl.constexpr, LB: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr):
-    """The outputs of node ``tok``'s leaf children from its state tile ``b_h`` [BV, BK], LB leaves per matrix product.
-
-    A leaf's update and read-out (h = e^g h_p; v' = beta (v - h k); h += v' k^T; o = h q) expand to
-    o = e^g h_p u + beta (k.q) v with u = q - beta (k.q) k, so stacking the leaves' u turns their outputs into one
-    [BV, K] x [K, LB] product of the parent's state: no leaf state is formed, and the parent's tile is read once for
-    all its leaves. The same math as ``_gdn_update`` in another order, equal to it up to float32 rounding, not bit for
-    bit: the product runs on tensor cores as three TF32 products (``tf32x3``, float32's accuracy; an IEEE float32
-    ``tl.dot``, on CUDA cores, spilled 664 bytes of registers in the main kernel at K = V = 128 on sm_90, ptxas -v
-    on ``tests/unit/sm90_compile.py``'s build)."""
-    l0 = tl.load(leaf_start + tok).to(tl.int64)
-    l1 = tl.load(leaf_start + tok + 1).to(tl.int64)
-    o_l = tl.arange(0, LB)
-    for c in range(l0, l1, LB):
-        mask_l = c + o_l < l1
-        leaf = tl.load(leaf_order + c + o_l, mask=mask_l, other=0).to(tl.int64)
-        mask_qk = mask_l[:, None] & mask_k[None, :]
-        b_q = tl.load(q + (leaf[:, None] * H + i_h) * K + o_k[None, :], mask=mask_qk, other=0).to(tl.float32)
-        b_k = tl.load(k + (leaf[:, None] * H + i_h) * K + o_k[None, :], mask=mask_qk, other=0).to(tl.float32)
-        mask_vt = mask_v[:, None] & mask_l[None, :]
-        v_off = (leaf[None, :] * HV + i_hv) * V + o_v[:, None]  # [BV, LB]: the outputs' layout
-        b_vt = tl.load(v + v_off, mask=mask_vt, other=0).to(tl.float32)
-        b_b = tl.load(b + leaf * HV + i_hv, mask=mask_l, other=0).to(tl.float32)
-        b_a = tl.load(a + leaf * HV + i_hv, mask=mask_l, other=0).to(tl.float32)
-        b_g, b_beta = _gate(b_a, b_b, A, dtb, softplus_beta, threshold)
-        if USE_QK_L2NORM_IN_KERNEL:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-        b_q = b_q * scale
-        b_kq = b_beta * tl.sum(b_k * b_q, 1)  # [LB] beta (k.q)
-        b_u = b_q - b_kq[:, None] * b_k  # [LB, BK]
-        b_o = tl.exp(b_g)[None, :] * tl.dot(b_h, tl.trans(b_u), input_precision="tf32x3") + b_kq[None, :] * b_vt
-        tl.store(o + v_off, b_o.to(o.dtype.element_ty), mask=mask_vt)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _tree_gdn_kernel(
     A_log, a, b, dt_bias, q, k, v, o, h0, hs,
     cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices, token_index, main_order,
-    main_start, leaf_order, leaf_start, softplus_beta, threshold, scale, T,
+    main_start, softplus_beta, threshold, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     stride_h0: tl.constexpr, stride_hs: tl.constexpr, stride_idx_seq: tl.constexpr,
     IS_SPEC_DECODING: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr, HAS_TOKEN_INDEX: tl.constexpr,
-    DEFER_LEAVES: tl.constexpr, LEAF_PRODUCTS: tl.constexpr, LB: tl.constexpr,
+    DEFER_LEAVES: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -185,9 +142,6 @@ def _tree_gdn_kernel(
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         if s_idx >= 0:
             tl.store(hs + s_idx * stride_hs + h_off, b_h.to(hs.dtype.element_ty), mask=mask_h)
-        if LEAF_PRODUCTS:  # this node's leaves, from its state in registers
-            _leaf_products(b_h, tok, leaf_order, leaf_start, q, k, v, a, b, o, A, dtb, softplus_beta, threshold,
-                           scale, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, LB, USE_QK_L2NORM_IN_KERNEL)
         # A later sibling may reload this state from other threads of the block.
         tl.debug_barrier()
         last = tok - bos
@@ -200,19 +154,6 @@ def _nth_token(main_order, m0, i, bos, DEFER_LEAVES: tl.constexpr):
     if DEFER_LEAVES:
         return tl.load(main_order + m0 + i).to(tl.int64)
     return bos + i
-
-
-@triton.jit
-def _stored_state_tile(hs, row, stride_hs, A_log, dt_bias, i_v, i_hv, H: tl.constexpr, HV: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """For the leaf kernels: the program's q/k head, its tile of the node state stored at ``row`` (float32) and the
-    value head's A and dt_bias."""
-    i_h = i_hv // (HV // H)
-    o_k, o_v, mask_k, mask_v, mask_h, h_off = _state_tile(i_v, i_hv, K, V, BK, BV)
-    b_h = tl.load(hs + row * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
-    A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
-    return i_h, o_k, o_v, mask_k, mask_v, b_h, A, dtb
 
 
 @triton.jit
@@ -229,8 +170,11 @@ def _tree_gdn_leaves_kernel(
     row = tl.load(leaf_state_rows + tok).to(tl.int64)
     if row < 0:  # not a deferred leaf
         return
-    i_h, o_k, o_v, mask_k, mask_v, b_h, A, dtb = _stored_state_tile(hs, row, stride_hs, A_log, dt_bias, i_v, i_hv,
-                                                                     H, HV, K, V, BK, BV)
+    i_h = i_hv // (HV // H)
+    o_k, o_v, mask_k, mask_v, mask_h, h_off = _state_tile(i_v, i_hv, K, V, BK, BV)
+    b_h = tl.load(hs + row * stride_hs + h_off, mask=mask_h, other=0).to(tl.float32)
+    A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
     b_q, b_k, b_v, b_b, b_a = _qkvba(q, k, v, a, b, tok.to(tl.int64), i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K,
                                      V)
     _, b_o = _gdn_update(b_h, b_q, b_k, b_v, b_b, b_a, A, dtb, softplus_beta, threshold, scale,
@@ -238,109 +182,56 @@ def _tree_gdn_leaves_kernel(
     tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
 
 
-@triton.jit
-def _tree_gdn_parent_leaves_kernel(
-    A_log, a, b, dt_bias, q, k, v, o, hs, node_state_indices, leaf_order, leaf_start,
-    softplus_beta, threshold, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    stride_hs: tl.constexpr, LB: tl.constexpr, USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
-):
-    """Program (v block, token, value head): the leaves of a node with leaf children, from its stored state read once
-    (``_leaf_products``); other tokens return at once."""
-    i_v, tok, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if tl.load(leaf_start + tok + 1) == tl.load(leaf_start + tok):
-        return
-    row = tl.load(node_state_indices + tok).to(tl.int64)
-    if row < 0:  # graph padding past the workspace (ReplayStash.record_step)
-        return
-    i_h, o_k, o_v, mask_k, mask_v, b_h, A, dtb = _stored_state_tile(hs, row, stride_hs, A_log, dt_bias, i_v, i_hv,
-                                                                     H, HV, K, V, BK, BV)
-    _leaf_products(b_h, tok, leaf_order, leaf_start, q, k, v, a, b, o, A, dtb, softplus_beta, threshold, scale,
-                   i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, LB, USE_QK_L2NORM_IN_KERNEL)
-
-
-LEAVES_BY = ("leaf", "parent", "main")  # which program computes a leaf's output (DeferredLeaves.by)
-
-
 @dataclass
 class DeferredLeaves:
-    """A step's split of tree tokens into the main kernel's (roots and nodes with children, run one after another)
-    and the leaves (``deferred_leaves``); built once per step and shared by every GDN layer.
+    """A step's split of tree tokens into the main kernel's (roots and nodes with children, every one's state
+    stored) and the leaf kernel's (``deferred_leaves``); built once per step and shared by every GDN layer.
 
     A best-first tree is bushy (the trained SmolLM2 drafter's B=64 trees: 51.6 leaves and 13.4 nodes with children
     of 65, 3.1 deep; benchmarks/tree_shapes.py), and the main kernel runs a request's tokens one after another:
-    deferring the leaves leaves it the nodes with children. Who computes the leaves (``by``):
+    deferring the leaves leaves it the nodes with children, while every leaf's output comes from its parent's state
+    in a program of its own. The verify forward's split in the replay layout (``ReplayStash.record_step``). H200,
+    one Qwen3.6-27B GDN layer, graphed, us (batch 1 B=16 / B=64, batch 8 B=16 / B=64): 29.2 / 86.6 / 112.5 / 393.6
+    in one kernel, 22.7 / 57.2 / 116.0 / 388.3 deferred (``bench_tree_core.py gdn_tree,gdn_tree_deferred``,
+    benchmarks/README.md 2026-12-04). A first version with one program per parent over its leaves lost (52 / 148 /
+    162 / 561): a root's dozens of leaves then ran one after another."""
 
-    - ``"leaf"``, a program per leaf (the verify forward's since 2026-12-04): every node with children stores its
-      state, and each leaf is one update of its parent's stored state. H200, one Qwen3.6-27B GDN layer, graphed, us
-      (batch 1 B=16 / B=64, batch 8 B=16 / B=64): 29.2 / 86.6 / 112.5 / 393.6 in one kernel, 22.7 / 57.2 / 116.0 /
-      388.3 deferred (``bench_tree_core.py gdn_tree,gdn_tree_deferred``, benchmarks/README.md 2026-12-04). A first
-      version with a program per parent running its leaves one after another lost (52 / 148 / 162 / 561): a root's
-      dozens of leaves then ran in series.
-    - ``"parent"``, a program per parent (untimed): the same stored states, each read once for all the node's
-      leaves, whose outputs are matrix products of it (``_leaf_products``), LB = 16 leaves at a time. At batch 8,
-      B=64 the per-leaf programs re-read a 3 MB parent state per leaf (about 1.3 GB per layer).
-    - ``"main"``, in the main kernel (untimed): a node's leaves come from its state while it is in registers, and a
-      state is stored only where a later node of the main order reloads it; nothing reads a parent state for the
-      leaves and the main kernel writes far fewer (today one 3 MB state per node with children, 0.3 GB per layer
-      at batch 8, B=64), but its one-after-another chain also carries the products.
-    """
-
-    node_state_indices: torch.Tensor  # [T] int32, the token itself for each node whose state is stored, else -1
+    node_state_indices: torch.Tensor  # [T] int32, the token itself for every node with children, else -1
     main_order: torch.Tensor  # [T] int32 tokens: each request's roots and nodes with children in order, then leaves
     main_start: torch.Tensor  # [N + 1] int32, request n's are main_order[main_start[n]:main_start[n + 1]]
-    leaf: torch.Tensor  # [T] bool, the leaves (in no request's main order)
-    leaf_state_rows: torch.Tensor  # [T] int32, by "leaf": a leaf's parent's node-state row, else -1
-    by: str = "leaf"  # one of LEAVES_BY
-    leaf_order: torch.Tensor | None = None  # [T] int32 tokens, by "parent" / "main": the leaves grouped by parent
-    leaf_start: torch.Tensor | None = None  # [T + 1] int32, token p's leaves are leaf_order[leaf_start[p]:[p + 1]]
+    leaf_state_rows: torch.Tensor  # [T] int32, a deferred leaf's parent's node-state row, else -1
+
+    @property
+    def deferred(self) -> torch.Tensor:
+        """[T] bool, the leaves the leaf kernel computes."""
+        return self.leaf_state_rows >= 0
 
 
-def deferred_leaves(parents: torch.Tensor, query_start_loc: torch.Tensor, by: str = "leaf") -> DeferredLeaves:
+def deferred_leaves(parents: torch.Tensor, query_start_loc: torch.Tensor) -> DeferredLeaves:
     """The leaf split for sequence-relative ``parents`` [T] (root -1) of requests at ``query_start_loc`` [N+1]
-    (device ops, static shapes, no host sync). Roots are never deferred (their parent state is the block's).
-    ``by``: which program computes each leaf (``DeferredLeaves``)."""
-    if by not in LEAVES_BY:
-        raise ValueError(f"deferred_leaves: by={by!r}, expected one of {LEAVES_BY}")
+    (device ops, static shapes, no host sync). Roots are never deferred (their parent state is the block's)."""
     t, n = parents.shape[0], query_start_loc.shape[0] - 1
     dev = parents.device
     tok = torch.arange(t, device=dev)
     seq = torch.searchsorted(query_start_loc[1:], tok, right=True)
     par = parents.long()
     abs_parent = torch.where(par >= 0, query_start_loc[seq].long() + par.clamp(min=0), t)
-    ones = torch.ones(t, dtype=torch.int32, device=dev)
     children = torch.zeros(t + 1, dtype=torch.int32, device=dev)
-    children.scatter_add_(0, abs_parent, ones)
+    children.scatter_add_(0, abs_parent, torch.ones(t, dtype=torch.int32, device=dev))
     internal = children[:t] > 0
     leaf = (par >= 0) & ~internal
+    rows = torch.where(internal, tok, -1).to(torch.int32)
     main_count = torch.zeros(n + 1, dtype=torch.int32, device=dev)
-    main_count.scatter_add_(0, torch.where(leaf, n, seq), ones)
+    main_count.scatter_add_(0, torch.where(leaf, n, seq), torch.ones(t, dtype=torch.int32, device=dev))
     main_start = torch.zeros(n + 1, dtype=torch.int32, device=dev)
     torch.cumsum(main_count[:n], 0, out=main_start[1:])
-    main_order = torch.sort(torch.where(leaf, n, seq), stable=True).indices
-    stored = internal
-    if by == "main":
-        # A node of the main order continues from registers when its parent ran just before it in its request;
-        # otherwise it reloads its parent's state, the only states that must be stored.
-        prev = torch.cat([main_order.new_full((1,), t), main_order[:-1]])
-        first = tok == main_start.long()[seq[main_order].clamp(max=max(n - 1, 0))]
-        reloads = ~leaf[main_order] & (par[main_order] >= 0) & (first | (prev != abs_parent[main_order]))
-        reloaded = torch.zeros(t + 1, dtype=torch.int32, device=dev)
-        reloaded.scatter_add_(0, torch.where(reloads, abs_parent[main_order], t), ones)
-        stored = reloaded[:t] > 0
-    rows = torch.where(stored, tok, -1).to(torch.int32)
-    plan = DeferredLeaves(rows, main_order.to(torch.int32), main_start, leaf,
-                          torch.full((t,), -1, dtype=torch.int32, device=dev), by)
-    if by == "leaf":
-        parent_rows = torch.cat([rows, rows.new_full((1,), -1)])
-        plan.leaf_state_rows = torch.where(leaf, parent_rows[abs_parent], -1).to(torch.int32)
-        return plan
-    leaf_count = torch.zeros(t + 1, dtype=torch.int32, device=dev)
-    leaf_count.scatter_add_(0, torch.where(leaf, abs_parent, t), ones)
-    plan.leaf_start = torch.zeros(t + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(leaf_count[:t], 0, out=plan.leaf_start[1:])
-    plan.leaf_order = torch.sort(torch.where(leaf, abs_parent, t), stable=True).indices.to(torch.int32)
-    return plan
+    parent_rows = torch.cat([rows, rows.new_full((1,), -1)])
+    return DeferredLeaves(
+        node_state_indices=rows,
+        main_order=torch.sort(torch.where(leaf, n, seq), stable=True).indices.to(torch.int32),
+        main_start=main_start,
+        leaf_state_rows=torch.where(leaf, parent_rows[abs_parent], -1).to(torch.int32),
+    )
 
 
 def tree_fused_sigmoid_gating_delta_rule_update(
@@ -377,9 +268,9 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     node_states). Unlike vLLM, initial_state is never written. token_index ``[T']`` (optional): token t reads its
     q, k, v, a, b from row ``token_index[t]``, so a path through earlier tokens runs without copying them
     (``relayout.replay_accepted_path``); T is then T' and every other per-token tensor is T' long. leaves
-    (optional, ``deferred_leaves``; not with token_index): the leaves' outputs computed from their parents' states,
-    by one of three kernels (``DeferredLeaves.by``); node_state_indices must then be
-    ``leaves.node_state_indices``, the states of leaves are not stored, and node_states must be given.
+    (optional, ``deferred_leaves``; not with token_index): the leaves' outputs computed by the leaf kernel from
+    their parents' states; node_state_indices must then be ``leaves.node_state_indices``, the states of leaves are
+    not stored, and node_states must be given.
     """
     _, T, H, K = k.shape
     if token_index is not None:
@@ -388,6 +279,7 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     assert q.shape[0] == 1 and cu_seqlens is not None and ssm_state_indices is not None and initial_state is not None
     assert HV % H == 0 and parents.shape[0] == T
     N = cu_seqlens.shape[0] - 1
+    BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 32)
     scale = K**-0.5 if scale is None else scale
     if node_states is None:
         node_states = torch.empty(T, HV, V, K, dtype=torch.float32, device=q.device)
@@ -397,37 +289,24 @@ def tree_fused_sigmoid_gating_delta_rule_update(
     stride_idx_seq = ssm_state_indices.stride(0) if ssm_state_indices.ndim == 2 else 1
     if ssm_state_indices.ndim == 1:
         assert num_accepted_tokens is None, "1-D ssm_state_indices has a single column"
-    products = leaves is not None and leaves.by == "main"
-    # Leaf products in the main kernel: half-height state tiles keep its registers from spilling at K = V = 128.
-    BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 16 if products else 32)
-    if leaves is not None:
-        assert token_index is None and node_state_indices is leaves.node_state_indices
     o = q.new_empty(1, T, HV, V)
     a, b, q, k, v = (t.contiguous() for t in (a, b, q, k, v))  # once: the leaf kernel reads them too
     _tree_gdn_kernel[(triton.cdiv(V, BV), N * HV)](
         A_log, a, b, dt_bias, q, k, v, o,
         initial_state, node_states, cu_seqlens, parents, ssm_state_indices, num_accepted_tokens, node_state_indices,
         parents if token_index is None else token_index, parents if leaves is None else leaves.main_order,
-        cu_seqlens if leaves is None else leaves.main_start, parents if not products else leaves.leaf_order,
-        cu_seqlens if not products else leaves.leaf_start, beta, threshold, scale, T,
+        cu_seqlens if leaves is None else leaves.main_start, beta, threshold, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         stride_h0=initial_state.stride(0), stride_hs=node_states.stride(0), stride_idx_seq=stride_idx_seq,
         IS_SPEC_DECODING=num_accepted_tokens is not None, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
-        HAS_TOKEN_INDEX=token_index is not None, DEFER_LEAVES=leaves is not None, LEAF_PRODUCTS=products, LB=16,
-        num_warps=4,
+        HAS_TOKEN_INDEX=token_index is not None, DEFER_LEAVES=leaves is not None, num_warps=4,
     )
-    if leaves is not None and leaves.by == "leaf":
+    if leaves is not None:
+        assert token_index is None and node_state_indices is leaves.node_state_indices
         _tree_gdn_leaves_kernel[(triton.cdiv(V, BV), T, HV)](
             A_log, a, b, dt_bias, q, k, v, o,
             node_states, leaves.leaf_state_rows, beta, threshold, scale,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, stride_hs=node_states.stride(0),
-            USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel, num_warps=4,
-        )
-    elif leaves is not None and leaves.by == "parent":
-        _tree_gdn_parent_leaves_kernel[(triton.cdiv(V, BV), T, HV)](
-            A_log, a, b, dt_bias, q, k, v, o,
-            node_states, leaves.node_state_indices, leaves.leaf_order, leaves.leaf_start, beta, threshold, scale,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, stride_hs=node_states.stride(0), LB=16,
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel, num_warps=4,
         )
     return o, node_states

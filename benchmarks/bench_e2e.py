@@ -108,6 +108,10 @@ def worker(args: dict) -> dict:
     with _alone_on_the_device(args.get("side_by_side")):
         rows = _measure(llm, args)
     engine_config = llm.llm_engine.vllm_config
+    try:  # stop the engine core now: it logs the cost-aware budget's choices as it stops (budget_choices)
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # the measurement stands; only that line is lost
+        print(f"engine shutdown: {e!r}", flush=True)
     return {"rows": rows, "async_scheduling": bool(engine_config.scheduler_config.async_scheduling),
             "model_runner": "V2" if engine_config.use_v2_model_runner else "V1",
             "engine_start_s": round(engine_start_s, 1)}
@@ -502,6 +506,9 @@ def _finish(run: dict, results: dict, meta: dict, out: str | None) -> None:
         _print_step_timing(name, meta["step_timing"][name])
     table = summarise(results)
     print_table([t for t in table if t["config"] == name])
+    if choices := budget_choices(output):
+        meta.setdefault("budget_choices", {})[name] = choices
+        print(f"{name}: {choices}")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"meta": meta, "table": table}, indent=2))
@@ -512,6 +519,13 @@ def worker_result(output: str) -> dict | None:
     its line, and a failed worker's traceback quotes the print statement (``"BENCH_RESULT " + ...``)."""
     found = re.findall(r"BENCH_RESULT (\{.*\})$", output, flags=re.MULTILINE)
     return json.loads(found[-1]) if found else None
+
+
+def budget_choices(output: str) -> str | None:
+    """The cost-aware budget's verify steps per budget and batch range, as ddtree's scheduler logs them when the
+    engine shuts down (the worker's log is deleted after a clean run)."""
+    found = re.findall(r"ddtree cost-aware budget, verify steps: (.*)$", output, flags=re.MULTILINE)
+    return found[-1].strip() if found else None
 
 
 def summarise(results: dict[str, dict | None]) -> list[dict]:

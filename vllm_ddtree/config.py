@@ -3,7 +3,8 @@
 Users write ``{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tokens": B, "tree_depth": D}``:
 
 - ``num_speculative_tokens``: the node budget B, i.e. the speculative tokens the target verifies per step (the tree's
-  non-root nodes). Defaults to ``DEFAULT_TREE_BUDGET``.
+  non-root nodes). Without it (and without the two keys below) ddtree chooses: on Model Runner V2 the cost-aware
+  budget over ``DEFAULT_TREE_BUDGETS``, elsewhere ``DEFAULT_TREE_BUDGET`` (``settle_budget_policy``).
 - ``num_speculative_tokens_per_batch_size`` (vLLM's dynamic speculative decoding schedule): the adaptive budget.
   vLLM's scheduler picks each step's draft count from the batch size; the proposer returns that prefix of its
   B-node tree, which in best-first order is the tree of that budget.
@@ -32,6 +33,11 @@ import os
 from typing import Any
 
 DEFAULT_TREE_BUDGET = 64
+# The cost-aware budget's choices when the user gives no budget and the engine runs on Model Runner V2 (H200,
+# 2026-12-04, benchmarks/README.md: lossless in float32; at the paper's acceptance on the Qwen3-8B shape 1.44x / 0.98x
+# the chain at batch 1 / 8, where B=64 made 1.35x / 0.66x). Not on the V1 runner: a budget schedule there costs full
+# CUDA graphs and async scheduling (``schedules_async_by_default``).
+DEFAULT_TREE_BUDGETS = (16, 32, DEFAULT_TREE_BUDGET)
 # vLLM's scheduler, runner buffers and the output contract are sized by num_speculative_tokens; 128 is vLLM's own
 # MAX_SPEC_LEN (v1/sample/rejection_sampler.py), which bounds what the rest of the V1 path has been exercised with.
 MAX_TREE_BUDGET = 128
@@ -63,6 +69,8 @@ def prepare_ddtree_method(spec: Any) -> None:
             'method "ddtree" needs a DFlash drafter: add "model": "<path or name of a DFlash checkpoint>" to '
             "--speculative-config"
         )
+    spec.tree_budget_is_default = (spec.num_speculative_tokens is None and spec.tree_budgets is None
+                                   and spec.num_speculative_tokens_per_batch_size is None)
     _expand_tree_budgets(spec)
     if spec.num_speculative_tokens is None:
         spec.num_speculative_tokens = DEFAULT_TREE_BUDGET
@@ -141,7 +149,7 @@ def _expand_tree_budgets(spec: Any) -> None:
     """``tree_budgets``: the cost-aware budget (budget_policy.py) picks each step's budget among these. The largest
     is the node budget (``num_speculative_tokens``); vLLM's dynamic speculative decoding schedule gets one entry per
     budget, so its runners size and capture every verify width, and ``scheduler.make_scheduler`` replaces the
-    schedule's lookup by the live choice (``use_cost_aware_scheduler``)."""
+    schedule's lookup by the live choice (``settle_budget_policy``)."""
     budgets = spec.tree_budgets
     if budgets is None:
         return
@@ -168,14 +176,20 @@ def _expand_tree_budgets(spec: Any) -> None:
     spec.num_speculative_tokens_per_batch_size = [[i + 1, i + 1, b] for i, b in enumerate(ordered)]
 
 
-def use_cost_aware_scheduler(vllm_config: Any) -> None:
-    """With ``tree_budgets``, the engine runs ``scheduler.make_scheduler`` (patch 0001 calls this once the
-    VllmConfig is settled)."""
+def settle_budget_policy(vllm_config: Any) -> None:
+    """Patch 0001 calls this once the VllmConfig knows its model runner, before CUDA-graph sizes are set. Without a
+    budget from the user, an engine on Model Runner V2 gets the cost-aware budget over ``DEFAULT_TREE_BUDGETS``
+    (its runner captures every verify width in full graphs); on the V1 runner, or beside the user's own
+    ``--scheduler-cls``, the budget stays ``DEFAULT_TREE_BUDGET``. With ``tree_budgets`` the engine runs
+    ``scheduler.make_scheduler``."""
     spec = vllm_config.speculative_config
-    if spec is None or getattr(spec, "tree_budgets", None) is None:
+    scheduler_config = vllm_config.scheduler_config
+    if spec.tree_budget_is_default and scheduler_config.scheduler_cls is None and vllm_config.use_v2_model_runner:
+        spec.tree_budgets = list(DEFAULT_TREE_BUDGETS)
+        _expand_tree_budgets(spec)
+    if spec.tree_budgets is None:
         return
     ours = "vllm_ddtree.scheduler.make_scheduler"
-    scheduler_config = vllm_config.scheduler_config
     if scheduler_config.scheduler_cls not in (None, ours):
         raise DDTreeConfigError(
             f"ddtree tree_budgets chooses each step's budget in its own scheduler; drop --scheduler-cls "
@@ -309,6 +323,16 @@ def schedules_async_by_default(vllm_config: Any) -> bool:
 
 def describe_runner(vllm_config: Any, on_mrv2: bool) -> str:
     """The start-up line saying which model runner ddtree runs on, and why."""
+    spec = vllm_config.speculative_config
+    if spec.tree_budgets is not None:
+        budget = f"cost-aware node budget among {sorted(spec.tree_budgets)}"
+    else:
+        budget = f"node budget {spec.tree_budget}"
+    budget += " (ddtree's default; num_speculative_tokens fixes it)" if spec.tree_budget_is_default else ""
+    return f"{_runner_line(vllm_config, on_mrv2)}; {budget}"
+
+
+def _runner_line(vllm_config: Any, on_mrv2: bool) -> str:
     if on_mrv2:
         return "ddtree runs on Model Runner V2 (vLLM's default runner for this target)"
     from vllm.platforms import current_platform

@@ -3,7 +3,7 @@
 vLLM's scheduler already picks each step's draft count from ``dynamic_sd_lookup[batch size]`` (its dynamic
 speculative decoding schedule); here that lookup is a ``CostAwareBudget``, fed from what ``update_from_output``
 sees: each verified request's accepted count (through ``make_spec_decoding_stats``, which vLLM calls once per
-request with drafts) and the time each step's output arrives. ``config.use_cost_aware_scheduler`` names
+request with drafts) and the time each step's output arrives. ``config.settle_budget_policy`` names
 ``make_scheduler`` as vLLM's ``scheduler_cls``; it builds on vLLM's synchronous or asynchronous scheduler, whichever
 the engine runs.
 """

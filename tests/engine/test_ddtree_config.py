@@ -26,12 +26,18 @@ def test_ddtree_resolves_to_a_dflash_drafter_with_a_tree(tiny_llama_dir, tiny_ll
 
 
 def test_defaults_and_explicit_depth(tiny_llama_dir, tiny_llama_dflash_dir):
-    spec = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir)).speculative_config
+    """Without a budget: B=64 on the V1 runner (the CPU engine's), no schedule and vLLM's scheduler; the
+    cost-aware default is Model Runner V2's (test_mrv2_ddtree.py)."""
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir))
+    spec = config.speculative_config
     assert (spec.tree_budget, spec.tree_depth, spec.num_speculative_tokens) == (64, 7, 64)
+    assert spec.tree_budget_is_default and spec.tree_budgets is None
+    assert spec.num_speculative_tokens_per_batch_size is None and config.scheduler_config.scheduler_cls is None
     spec = engine_config(
         tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4, tree_depth=3
     ).speculative_config
     assert (spec.tree_budget, spec.tree_depth, spec.num_speculative_tokens) == (4, 3, 4)
+    assert not spec.tree_budget_is_default
 
 
 def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):

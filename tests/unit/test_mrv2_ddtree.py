@@ -54,8 +54,10 @@ def mrv2_vllm_config(**changes) -> SimpleNamespace:
     config = SimpleNamespace(
         model_config=SimpleNamespace(uses_mrope=False, is_multimodal_model=False, is_hybrid=False),
         parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
-        speculative_config=SimpleNamespace(use_local_argmax_reduction=False, tree_budget=64,
+        speculative_config=SimpleNamespace(use_local_argmax_reduction=False, tree_budget=64, tree_budgets=None,
+                                           tree_budget_is_default=False, num_speculative_tokens=64,
                                            num_speculative_tokens_per_batch_size=None),
+        scheduler_config=SimpleNamespace(scheduler_cls=None),
     )
     for path, value in changes.items():
         obj, attr = path.split("__")
@@ -166,6 +168,44 @@ def test_start_up_line_says_which_runner_and_why(on_cuda, monkeypatch):
     assert "hybrid" in ddtree_config.describe_runner(hybrid, on_mrv2=False)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in ddtree_config.describe_runner(mrv2_vllm_config(), on_mrv2=False)
+
+
+@pytest.mark.parametrize("on_mrv2", [True, False])
+def test_without_a_budget_model_runner_v2_gets_the_cost_aware_budget(on_mrv2):
+    """No budget from the user: on Model Runner V2 the cost-aware budget over DEFAULT_TREE_BUDGETS (every verify
+    width in vLLM's schedule, ddtree's scheduler named); on the V1 runner the fixed default, no schedule (which
+    would cost full graphs and async scheduling there)."""
+    config = mrv2_vllm_config(speculative_config__tree_budget_is_default=True)
+    config.use_v2_model_runner = on_mrv2
+    ddtree_config.settle_budget_policy(config)
+    spec = config.speculative_config
+    assert spec.num_speculative_tokens == ddtree_config.DEFAULT_TREE_BUDGET == max(ddtree_config.DEFAULT_TREE_BUDGETS)
+    if on_mrv2:
+        assert spec.tree_budgets == [16, 32, 64]
+        assert spec.num_speculative_tokens_per_batch_size == [[1, 1, 64], [2, 2, 32], [3, 3, 16]]
+        assert config.scheduler_config.scheduler_cls == "vllm_ddtree.scheduler.make_scheduler"
+        line = ddtree_config.describe_runner(config, on_mrv2=True)
+        assert "cost-aware node budget among [16, 32, 64] (ddtree's default; num_speculative_tokens fixes it)" in line
+    else:
+        assert spec.tree_budgets is None and spec.num_speculative_tokens_per_batch_size is None
+        assert config.scheduler_config.scheduler_cls is None
+        assert "node budget 64 (ddtree's default" in ddtree_config.describe_runner(config, on_mrv2=False)
+
+
+def test_a_budget_or_scheduler_the_user_gave_is_kept_on_model_runner_v2():
+    config = mrv2_vllm_config(speculative_config__tree_budget=16, speculative_config__num_speculative_tokens=16)
+    config.use_v2_model_runner = True
+    ddtree_config.settle_budget_policy(config)
+    spec = config.speculative_config
+    assert (spec.tree_budgets, spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size) == (
+        None, 16, None)
+    assert config.scheduler_config.scheduler_cls is None
+    assert ddtree_config.describe_runner(config, on_mrv2=True).endswith("; node budget 16")
+    own = "my.Scheduler"  # the cost-aware default needs ddtree's scheduler: keep the user's and B=64
+    config = mrv2_vllm_config(speculative_config__tree_budget_is_default=True, scheduler_config__scheduler_cls=own)
+    config.use_v2_model_runner = True
+    ddtree_config.settle_budget_policy(config)
+    assert config.speculative_config.tree_budgets is None and config.scheduler_config.scheduler_cls == own
 
 
 # ----------------------------------------------------------------------------- patch 0004 (design §2 table)

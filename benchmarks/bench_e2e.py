@@ -37,7 +37,7 @@ from ddtree_testkit.shapes import shaped_target_dir
 from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
 from vllm_ddtree.attention.backend import TREE_KERNEL_PREFIX_ENV
-from vllm_ddtree.config import BENCHMARK_ENV
+from vllm_ddtree.config import BENCHMARK_ENV, DEFAULT_TREE_BUDGET
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
 
@@ -108,7 +108,7 @@ def worker(args: dict) -> dict:
     with _alone_on_the_device(args.get("side_by_side")):
         rows = _measure(llm, args)
     engine_config = llm.llm_engine.vllm_config
-    try:  # stop the engine core now: it logs the cost-aware budget's choices as it stops (budget_choices)
+    try:  # stop the engine core now: it logs the cost-aware budget's choices as it stops (DDTREE_LOG_LINES)
         llm.llm_engine.engine_core.shutdown()
     except Exception as e:  # the measurement stands; only that line is lost
         print(f"engine shutdown: {e!r}", flush=True)
@@ -256,6 +256,8 @@ def main() -> None:
     parser.add_argument("--budget-schedule", type=json.loads, default=None, help="also run 'ddtree adaptive': the "
                         "adaptive budget, as vLLM's num_speculative_tokens_per_batch_size, e.g. "
                         "'[[1, 4, 64], [5, 16, 32], [17, 256, 16]]' (bench_ddtree.py prints one from its measurements)")
+    parser.add_argument("--ddtree-default", action="store_true", help="also run 'ddtree default': no budget given, "
+                        "so ddtree chooses (the cost-aware budget on Model Runner V2, B=64 on the V1 runner)")
     parser.add_argument("--tree-budgets", type=int, nargs="+", default=None, help="also run 'ddtree cost-aware': "
                         "ddtree's tree_budgets, each step's budget among these from live acceptance and step time "
                         "(vllm_ddtree/budget_policy.py), e.g. 16 32 64")
@@ -353,6 +355,8 @@ def main() -> None:
         configs.append(("ddtree adaptive", {"method": "ddtree", "model": drafter, "num_speculative_tokens": largest,
                                             "num_speculative_tokens_per_batch_size": args.budget_schedule,
                                             **drafter_load}, {}))
+    if args.ddtree_default:
+        configs.append(("ddtree default", {"method": "ddtree", "model": drafter, **drafter_load}, {}))
     if args.tree_budgets:
         configs.append(("ddtree cost-aware", {"method": "ddtree", "model": drafter, "tree_budgets": args.tree_budgets,
                                               "num_speculative_tokens": max(args.tree_budgets), **drafter_load},
@@ -454,7 +458,7 @@ def largest_capture_size(spec: dict | None, batch_sizes: list[int]) -> int:
     ``VllmConfig._set_cudagraph_sizes``: max_num_seqs x (1 + K) x 2, at most 512; bench_e2e's max_num_seqs is the
     largest batch), or the grid size covering its largest verify step where that exceeds 512 (on vLLM's grid: 520,
     B=64 at batch 8, would be truncated to 512 and that step would run without graphs)."""
-    query_len = 1 + (spec["num_speculative_tokens"] if spec else 0)
+    query_len = 1 + largest_budget(spec)
     largest = max(batch_sizes) * query_len
     return capture_size_covering(largest) if largest > 512 else min(2 * largest, 512)
 
@@ -506,9 +510,9 @@ def _finish(run: dict, results: dict, meta: dict, out: str | None) -> None:
         _print_step_timing(name, meta["step_timing"][name])
     table = summarise(results)
     print_table([t for t in table if t["config"] == name])
-    if choices := budget_choices(output):
-        meta.setdefault("budget_choices", {})[name] = choices
-        print(f"{name}: {choices}")
+    for key, line in ddtree_log_lines(output).items():
+        meta.setdefault(key, {})[name] = line
+        print(f"{name}: {line}")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"meta": meta, "table": table}, indent=2))
@@ -521,11 +525,16 @@ def worker_result(output: str) -> dict | None:
     return json.loads(found[-1]) if found else None
 
 
-def budget_choices(output: str) -> str | None:
-    """The cost-aware budget's verify steps per budget and batch range, as ddtree's scheduler logs them when the
-    engine shuts down (the worker's log is deleted after a clean run)."""
-    found = re.findall(r"ddtree cost-aware budget, verify steps: (.*)$", output, flags=re.MULTILINE)
-    return found[-1].strip() if found else None
+DDTREE_LOG_LINES = {  # what ddtree logs that a run's table should keep (the worker's log is deleted after a clean run)
+    "start_up": r"(ddtree runs on .*)$",  # the runner, why, and the budget policy
+    "budget_choices": r"ddtree cost-aware budget, verify steps: (.*)$",  # logged as the engine core stops
+}
+
+
+def ddtree_log_lines(output: str) -> dict[str, str]:
+    """The last of each ``DDTREE_LOG_LINES`` line in a worker's output."""
+    found = {key: re.findall(pattern, output, flags=re.MULTILINE) for key, pattern in DDTREE_LOG_LINES.items()}
+    return {key: lines[-1].strip() for key, lines in found.items() if lines}
 
 
 def summarise(results: dict[str, dict | None]) -> list[dict]:
@@ -603,8 +612,16 @@ def gdn_state_gib(target_config: dict, spec: dict | None, tp_size: int, on_gpu: 
     ddtree on GPU (the replay layout) its one block plus its share of the step's stash and node-state workspace."""
     shapes = memory.GDNShapes.from_config(target_config, tp_size)
     if spec and spec["method"] == "ddtree" and on_gpu:
-        return memory.step_bytes(shapes, spec["num_speculative_tokens"], 1, "replay") / 2**30
-    return memory.persistent_bytes_per_request(shapes, spec["num_speculative_tokens"] if spec else 0) / 2**30
+        return memory.step_bytes(shapes, largest_budget(spec), 1, "replay") / 2**30
+    return memory.persistent_bytes_per_request(shapes, largest_budget(spec)) / 2**30
+
+
+def largest_budget(spec: dict | None) -> int:
+    """The most drafts a configuration verifies per request and step ("ddtree default" gives no budget: ddtree's
+    largest is DEFAULT_TREE_BUDGET)."""
+    if spec is None:
+        return 0
+    return spec.get("num_speculative_tokens", DEFAULT_TREE_BUDGET if spec["method"] == "ddtree" else 0)
 
 
 def _slug(name: str) -> str:

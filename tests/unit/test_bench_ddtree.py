@@ -280,15 +280,16 @@ def test_bench_e2e_reads_a_workers_result_line_and_not_a_traceback_quoting_it():
     assert be.worker_result('(Worker pid=7) partial BENCH_RESULT {"rows": [1]}\nINFO shutdown\n') == {"rows": [1]}
 
 
-def test_bench_e2e_keeps_the_cost_aware_budgets_choices_from_the_engines_log():
-    """The H200 runs of 2026-12-04 lost them: the scheduler logs them at shutdown, in the worker's log, which a
-    clean run deletes."""
+def test_bench_e2e_keeps_ddtrees_start_up_line_and_budget_choices_from_the_engines_log():
+    """The H200 runs of 2026-12-04 lost them: they are logged in the worker's log, which a clean run deletes."""
     be = _bench_e2e()
+    start_up = "ddtree runs on Model Runner V2 (vLLM's default runner for this target); cost-aware node budget among"
     summary = "batch 1: B=16: 3 steps, B=64: 40 steps (2.90 tokens / 5.99 ms); batch 5-8: B=16: 9 steps"
-    log = ("(EngineCore pid=9) INFO 12-04 20:14:01 [scheduler.py:56] ddtree cost-aware budget, verify steps: "
+    log = (f"(EngineCore pid=9) INFO 12-04 20:13:01 [speculator.py:73] {start_up} [16, 32, 64]\n"
+           "(EngineCore pid=9) INFO 12-04 20:14:01 [scheduler.py:56] ddtree cost-aware budget, verify steps: "
            f"{summary}\nINFO shutdown\n")
-    assert be.budget_choices(log) == summary
-    assert be.budget_choices("INFO starting\nBENCH_RESULT {}\n") is None
+    assert be.ddtree_log_lines(log) == {"start_up": f"{start_up} [16, 32, 64]", "budget_choices": summary}
+    assert be.ddtree_log_lines("INFO starting\nBENCH_RESULT {}\n") == {}
 
 
 def test_engines_started_side_by_side_measure_one_at_a_time_once_all_have_started(tmp_path):

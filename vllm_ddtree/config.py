@@ -34,9 +34,10 @@ from typing import Any
 
 DEFAULT_TREE_BUDGET = 64
 # The cost-aware budget's choices when the user gives no budget and the engine runs on Model Runner V2 (H200,
-# 2026-12-04, benchmarks/README.md: lossless in float32; at the paper's acceptance on the Qwen3-8B shape 1.44x / 0.98x
-# the chain at batch 1 / 8, where B=64 made 1.35x / 0.66x). Not on the V1 runner: a budget schedule there costs full
-# CUDA graphs and async scheduling (``schedules_async_by_default``).
+# 2026-12-04, benchmarks/README.md: lossless in float32; 1.02x / 0.97x the chain at batch 1 / 8 on the small pair
+# where B=64 made 1.00x / 1.01x in the same call; with nothing accepted B=16's cost, where B=64's 520-token verify at
+# batch 8 costs 2.3x the chain's step). Not on the V1 runner: a budget schedule there costs full CUDA graphs and async
+# scheduling (``schedules_async_by_default``).
 DEFAULT_TREE_BUDGETS = (16, 32, DEFAULT_TREE_BUDGET)
 # vLLM's scheduler, runner buffers and the output contract are sized by num_speculative_tokens; 128 is vLLM's own
 # MAX_SPEC_LEN (v1/sample/rejection_sampler.py), which bounds what the rest of the V1 path has been exercised with.

@@ -621,7 +621,9 @@ def largest_budget(spec: dict | None) -> int:
     largest is DEFAULT_TREE_BUDGET)."""
     if spec is None:
         return 0
-    return spec.get("num_speculative_tokens", DEFAULT_TREE_BUDGET if spec["method"] == "ddtree" else 0)
+    if "num_speculative_tokens" in spec:
+        return spec["num_speculative_tokens"]
+    return DEFAULT_TREE_BUDGET if spec.get("method") == "ddtree" else 0
 
 
 def _slug(name: str) -> str:

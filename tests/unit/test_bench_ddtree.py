@@ -198,6 +198,7 @@ def test_shared_capture_sizes_pad_every_configurations_prefill_alike():
     be = _bench_e2e()
     chain, tree = {"num_speculative_tokens": 15}, {"num_speculative_tokens": 64}
     assert [be.largest_capture_size(s, [1, 8]) for s in (None, chain, tree)] == [16, 256, 528]
+    assert be.largest_capture_size({"method": "ddtree", "model": "d"}, [1, 8]) == 528  # no budget: ddtree's largest
     every = [None, chain, tree]
     want = {"max_cudagraph_capture_size": 528}
     assert all(be.capture_sizes("shared", s, [1, 8], True, every) == want for s in every)

@@ -37,7 +37,7 @@ from ddtree_testkit.shapes import shaped_target_dir
 from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
 from vllm_ddtree.attention.backend import TREE_KERNEL_PREFIX_ENV
-from vllm_ddtree.config import BENCHMARK_ENV, DEFAULT_TREE_BUDGET
+from vllm_ddtree.config import BENCHMARK_ENV, DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
 
@@ -261,6 +261,9 @@ def main() -> None:
     parser.add_argument("--tree-budgets", type=int, nargs="+", default=None, help="also run 'ddtree cost-aware': "
                         "ddtree's tree_budgets, each step's budget among these from live acceptance and step time "
                         "(vllm_ddtree/budget_policy.py), e.g. 16 32 64")
+    parser.add_argument("--chain-fallback", action="store_true", help="also run 'ddtree chain fallback': the "
+                        "cost-aware budget over --tree-budgets (default 16 32 64) and the DFlash chain "
+                        "(tree_budgets [\"chain\", ...]: steps that verify the chain on vLLM's attention)")
     parser.add_argument("--tree-kernel-prefix", action="store_true", help="also run every budget with the tree "
                         "kernel attending to the prefix too (VLLM_DDTREE_TREE_KERNEL_PREFIX=1) as 'ddtree B=<b> "
                         "tree-kernel prefix'; by default FLASH_ATTN's verify runs the prefix on FlashAttention")
@@ -337,7 +340,8 @@ def main() -> None:
     chain = args.chain_tokens or block - 1
     if args.max_num_batched_tokens and not batched_tokens_given:  # the CPU default: room for every verify step
         largest = max(args.budgets + [chain] + [entry[2] for entry in args.budget_schedule or []]
-                      + (args.tree_budgets or []))
+                      + (args.tree_budgets or [])
+                      + (list(DEFAULT_TREE_BUDGETS) if args.chain_fallback or args.ddtree_default else []))
         args.max_num_batched_tokens = max(args.max_num_batched_tokens, max(args.batch_sizes) * (1 + largest))
     drafter_load = {"draft_load_config": {"load_format": "auto"}} if load_format == "dummy" else {}
     chain_spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain, **drafter_load}
@@ -361,6 +365,11 @@ def main() -> None:
         configs.append(("ddtree cost-aware", {"method": "ddtree", "model": drafter, "tree_budgets": args.tree_budgets,
                                               "num_speculative_tokens": max(args.tree_budgets), **drafter_load},
                         {}))
+    if args.chain_fallback:
+        budgets = args.tree_budgets or list(DEFAULT_TREE_BUDGETS)
+        configs.append(("ddtree chain fallback", {"method": "ddtree", "model": drafter,
+                                                  "tree_budgets": ["chain", *budgets],
+                                                  "num_speculative_tokens": max(budgets), **drafter_load}, {}))
     if args.async_ab:
         configs += [(f"{name} async", spec, {"BENCH_ASYNC_SCHEDULING": "1"}) for name, spec, _ in trees]
     if args.tree_kernel_prefix:

@@ -18,7 +18,7 @@ so the choice costs no device sync. A budget not yet measured for a bucket (fewe
 no step time) is tried first. Then every ``probe_every``-th step of a bucket verifies a budget next to the best one
 (tokens/s is unimodal in the budget: CaDDTree), alternating below and above, so the estimates follow the workload:
 when nothing is accepted the smallest budget wins; when the trees' acceptance pays for a larger verify, a larger one
-does.
+does. The chain fallback is one more choice (``chain``: its draft count, the tree depth), below the smallest tree.
 """
 
 from __future__ import annotations
@@ -65,10 +65,12 @@ class CostAwareBudget:
     ``budget[batch_size]`` stands in for vLLM's dynamic speculative decoding lookup (``Scheduler.dynamic_sd_lookup``);
     the scheduler reports each verified request (``observe_request``) and each step's output (``observe_step``)."""
 
-    def __init__(self, budgets: Sequence[int], *, window: int = 32, min_requests: int = 8, weight: float = 0.2,
-                 probe_every: int = 32, clock: Callable[[], float] = time.monotonic):
-        """``weight``: of each new step time in its bucket's moving average."""
+    def __init__(self, budgets: Sequence[int], *, chain: int | None = None, window: int = 32, min_requests: int = 8,
+                 weight: float = 0.2, probe_every: int = 32, clock: Callable[[], float] = time.monotonic):
+        """``chain``: the choice among ``budgets`` that verifies the DFlash chain (named so in the summary);
+        ``weight``: of each new step time in its bucket's moving average."""
         self.budgets = tuple(sorted(set(budgets)))
+        self.chain = chain
         self.weight = weight
         self.probe_every = probe_every
         self.clock = clock
@@ -134,7 +136,8 @@ class CostAwareBudget:
             for b in self.budgets:
                 seconds = self._time(bucket, b).value
                 accepted = self.accepted[b].value
-                cells.append(f"B={b}: {self.verified.get((bucket, b), 0)} steps"
+                name = "chain" if b == self.chain else f"B={b}"
+                cells.append(f"{name}: {self.verified.get((bucket, b), 0)} steps"
                              + (f" ({1 + accepted:.2f} tokens / {1e3 * seconds:.2f} ms)"
                                 if seconds is not None and accepted is not None else ""))
             parts.append(f"batch {first}{'' if first == last else f'-{last}'}: " + ", ".join(cells))

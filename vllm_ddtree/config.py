@@ -10,6 +10,8 @@ Users write ``{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tok
   B-node tree, which in best-first order is the tree of that budget.
 - ``tree_budgets``: the cost-aware budget: each step verifies one of these budgets, the one with the most
   expected tokens per second from live acceptance and measured step time (budget_policy.py); the largest is B.
+  ``"chain"`` among them is the chain fallback: a step that verifies the DFlash chain (``tree_depth`` drafts) on
+  vLLM's own attention, for when no tree pays for its verify (docs/cost-aware-budget.md).
 - ``tree_depth``: the deepest node, i.e. how many DFlash draft positions feed the tree. Defaults to
   ``min(block_size - 1, B)`` (all positions one DFlash pass produces, but no deeper than B: a tree of B nodes is at
   most B deep); at most that.
@@ -39,6 +41,8 @@ DEFAULT_TREE_BUDGET = 64
 # batch 8 costs 2.3x the chain's step). Not on the V1 runner: a budget schedule there costs full CUDA graphs and async
 # scheduling (``schedules_async_by_default``).
 DEFAULT_TREE_BUDGETS = (16, 32, DEFAULT_TREE_BUDGET)
+# In ``tree_budgets``: the chain fallback, a step that verifies the DFlash chain instead of a tree.
+CHAIN = "chain"
 # vLLM's scheduler, runner buffers and the output contract are sized by num_speculative_tokens; 128 is vLLM's own
 # MAX_SPEC_LEN (v1/sample/rejection_sampler.py), which bounds what the rest of the V1 path has been exercised with.
 MAX_TREE_BUDGET = 128
@@ -146,19 +150,35 @@ def _check_budget_schedule(schedule: Any, budget: int) -> None:
             )
 
 
+def chain_fallback(spec: Any) -> bool:
+    """Whether steps may verify the DFlash chain instead of a tree (``"chain"`` in ``tree_budgets``)."""
+    return CHAIN in (getattr(spec, "tree_budgets", None) or ())
+
+
+def tree_budget_choices(spec: Any) -> list[int]:
+    """The drafts a step may verify under ``tree_budgets``, ascending: each tree budget, and with the chain
+    fallback ``tree_depth`` (once known: the drafter's block size sets it)."""
+    choices = {b for b in spec.tree_budgets if b != CHAIN}
+    if chain_fallback(spec) and spec.tree_depth is not None:
+        choices.add(spec.tree_depth)
+    return sorted(choices)
+
+
 def _expand_tree_budgets(spec: Any) -> None:
     """``tree_budgets``: the cost-aware budget (budget_policy.py) picks each step's budget among these. The largest
     is the node budget (``num_speculative_tokens``); vLLM's dynamic speculative decoding schedule gets one entry per
-    budget, so its runners size and capture every verify width, and ``scheduler.make_scheduler`` replaces the
-    schedule's lookup by the live choice (``settle_budget_policy``)."""
+    choice (``tree_budget_choices``), so its runners size and capture every verify width, and
+    ``scheduler.make_scheduler`` replaces the schedule's lookup by the live choice (``settle_budget_policy``)."""
     budgets = spec.tree_budgets
     if budgets is None:
         return
-    if (not isinstance(budgets, list) or len(set(budgets)) < 2
-            or not all(isinstance(b, int) and 1 <= b <= MAX_TREE_BUDGET for b in budgets)):
+    trees = [b for b in budgets if b != CHAIN] if isinstance(budgets, list) else []
+    if (not isinstance(budgets, list) or len(set(budgets)) < 2 or not trees or budgets.count(CHAIN) > 1
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_TREE_BUDGET for b in trees)):
         raise DDTreeConfigError(
-            f"ddtree tree_budgets must list at least two different node budgets in [1, {MAX_TREE_BUDGET}], e.g. "
-            f"[16, 32, 64], got {budgets!r}; for one budget give num_speculative_tokens instead"
+            f"ddtree tree_budgets must list at least two different choices: node budgets in [1, {MAX_TREE_BUDGET}] "
+            f'and optionally "{CHAIN}" (the DFlash chain), e.g. [16, 32, 64] or ["{CHAIN}", 16, 32, 64], got '
+            f"{budgets!r}; for one budget give num_speculative_tokens instead"
         )
     if spec.num_speculative_tokens_per_batch_size is not None:
         raise DDTreeConfigError(
@@ -166,15 +186,35 @@ def _expand_tree_budgets(spec: Any) -> None:
             "num_speculative_tokens_per_batch_size (the budget from the batch size) are two ways to choose it; "
             "drop one"
         )
-    largest = max(budgets)
+    largest = max(trees)
     if spec.num_speculative_tokens not in (None, largest):
         raise DDTreeConfigError(
             f"ddtree num_speculative_tokens={spec.num_speculative_tokens} with tree_budgets {budgets}: the node "
             f"budget is the largest of tree_budgets ({largest}); drop num_speculative_tokens"
         )
     spec.num_speculative_tokens = largest
-    ordered = sorted(set(budgets), reverse=True)
+    _schedule_budget_choices(spec)
+    _check_chain_depth(spec)  # (the default budgets are expanded once tree_depth is known)
+
+
+def _schedule_budget_choices(spec: Any) -> None:
+    """One entry of vLLM's dynamic speculative decoding schedule per choice (the batch ranges are placeholders: the
+    cost-aware scheduler's lookup replaces the schedule's); also once ``tree_depth`` is known (the chain's)."""
+    ordered = tree_budget_choices(spec)[::-1]
     spec.num_speculative_tokens_per_batch_size = [[i + 1, i + 1, b] for i, b in enumerate(ordered)]
+
+
+def _check_chain_depth(spec: Any) -> None:
+    """With the chain fallback, once ``tree_depth`` is known: a step of ``tree_depth`` drafts is the chain's, so no
+    tree budget may equal it; the schedule gets the chain's entry."""
+    if not chain_fallback(spec):
+        return
+    if spec.tree_depth in spec.tree_budgets:
+        raise DDTreeConfigError(
+            f'ddtree tree_budgets {spec.tree_budgets}: "{CHAIN}" verifies tree_depth = {spec.tree_depth} drafts, '
+            f"and so would the tree budget {spec.tree_depth}; drop that budget or set another tree_depth"
+        )
+    _schedule_budget_choices(spec)
 
 
 def settle_budget_policy(vllm_config: Any) -> None:
@@ -262,6 +302,7 @@ def validate_ddtree_drafter(spec: Any) -> None:
             f"of {budget} nodes is at most {budget} deep; use tree_depth <= {budget} or drop it"
         )
     _check_synthetic_rates(spec)
+    _check_chain_depth(spec)
     spec.num_speculative_tokens = budget
 
 
@@ -326,7 +367,10 @@ def describe_runner(vllm_config: Any, on_mrv2: bool) -> str:
     """The start-up line saying which model runner ddtree runs on, and why."""
     spec = vllm_config.speculative_config
     if spec.tree_budgets is not None:
-        budget = f"cost-aware node budget among {sorted(spec.tree_budgets)}"
+        trees = sorted(b for b in spec.tree_budgets if b != CHAIN)
+        budget = f"cost-aware node budget among {trees}"
+        if chain_fallback(spec):
+            budget += f" or the DFlash chain ({spec.tree_depth} drafts)"
     else:
         budget = f"node budget {spec.tree_budget}"
     budget += " (ddtree's default; num_speculative_tokens fixes it)" if spec.tree_budget_is_default else ""

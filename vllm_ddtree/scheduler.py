@@ -17,6 +17,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_ddtree.budget_policy import CostAwareBudget
+from vllm_ddtree.config import chain_fallback, tree_budget_choices
 
 logger = init_logger(__name__)
 
@@ -37,7 +38,9 @@ def verified_budget(scheduler_output: Any) -> tuple[int, bool]:
 class _CostAwareBudgetMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.budget_policy = CostAwareBudget(self.vllm_config.speculative_config.tree_budgets)
+        spec = self.vllm_config.speculative_config
+        self.budget_policy = CostAwareBudget(tree_budget_choices(spec),
+                                             chain=spec.tree_depth if chain_fallback(spec) else None)
         self.dynamic_sd_lookup = self.budget_policy
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,

@@ -10,6 +10,10 @@ a tree is verified only by the verify step right after its draft step, and only 
 keeps a tree from being verified again when vLLM skips a draft step (near ``max_model_len``), or after its request
 sat out a step (preempted), whatever tokens the request is fed then.
 
+With the chain fallback on (``"tree_budgets": ["chain", ...]``) each slot also holds its request's DFlash chain,
+the drafter's most likely token per depth (``chains``): the next step may verify it instead of the tree
+(``verify_core``), and under async scheduling that step is scheduled before the draft step finishes, so both go.
+
 Model Runner V2 has such slots (``req_state_idx``); the V1 runner's batch rows move, so ``RequestSlots`` gives each
 request id a slot on the host.
 """
@@ -27,8 +31,10 @@ TREE_STATE_FIELDS = (*TREE_FIELDS, "num_nodes")
 class TreeHandover:
     """Trees by request slot, waiting for their request's next verify step."""
 
-    def __init__(self, max_slots: int, budget: int, device: torch.device):
+    def __init__(self, max_slots: int, budget: int, device: torch.device, chain_depth: int = 0):
+        """``chain_depth``: the tree depth when the chain fallback is on (then ``chains [slots, depth]``), else 0."""
         self.trees = TreeBatch.allocate(max_slots, budget, device)
+        self.chains = torch.zeros(max_slots, chain_depth, dtype=torch.int64, device=device) if chain_depth else None
         self.stamp = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
 
@@ -36,12 +42,16 @@ class TreeHandover:
     def budget(self) -> int:
         return self.trees.budget
 
-    def file(self, slots: torch.Tensor, batch_trees: TreeBatch, num_reqs: int) -> None:
-        """``trees[slots[r]] = batch_trees[r]`` for the draft step's ``num_reqs`` rows, stamped with a new epoch."""
+    def file(self, slots: torch.Tensor, batch_trees: TreeBatch, num_reqs: int,
+             batch_chains: torch.Tensor | None = None) -> None:
+        """``trees[slots[r]] = batch_trees[r]`` (and ``chains[slots[r]] = batch_chains[r]`` with the chain fallback
+        on) for the draft step's ``num_reqs`` rows, stamped with a new epoch."""
         slots = slots[:num_reqs].to(torch.int64)
         self.epoch += 1
         for name in TREE_STATE_FIELDS:
             getattr(self.trees, name).index_copy_(0, slots, getattr(batch_trees, name)[:num_reqs])
+        if self.chains is not None:
+            self.chains.index_copy_(0, slots, batch_chains[:num_reqs])
         self.stamp.index_copy_(0, slots, self.epoch.expand(num_reqs).clone())
 
 

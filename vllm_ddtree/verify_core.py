@@ -12,6 +12,11 @@ One verify step, in the order the runner adapters (``v1/``, ``mrv2/``) call it:
 4. ``linearise(...)`` for the drafter: positions back to linear, accepted rows right after their roots;
    ``path_rows`` puts logits rows in accepted-path order for the runner's logprobs.
 
+With the chain fallback on (``"tree_budgets": ["chain", ...]``, docs/cost-aware-budget.md) a step whose widest
+request was scheduled ``depth`` drafts is a *chain step*: every request of it verifies the first drafts of its
+DFlash chain (filed beside its tree), causally, on vLLM's attention; the walk, compaction and linearisation run on
+the chain as on any tree. The step decides, not the request: fed tokens, attention and walk must agree for all.
+
 Nothing here synchronises with the host unless a debug check asks for it (``VLLM_DDTREE_CHECK_TREES``,
 ``VLLM_DDTREE_CHECK_RANKS``: each raises on what it finds, on either runner).
 """
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ddtree.config import chain_fallback
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.sampler import TreeWalkOutput, walk_tree
 from vllm_ddtree.step_timing import StepTimer
@@ -57,6 +63,7 @@ class VerifyStep:
     rows: RowInputs
     prepared: PreparedRows
     num_drafts_cpu: np.ndarray  # [R] drafts fed per request (its logits rows are the root, then these)
+    chain: bool = False  # verifies the requests' DFlash chains (causal attention), not their trees
     walked: bool = False
 
     @property
@@ -89,8 +96,10 @@ class TreeAttentionInputs:
 
 def verify_widths(spec) -> frozenset[int]:
     """Query lengths of full verify batches: ``1 + B``, and ``1 + b`` for each budget of an adaptive schedule (vLLM
-    captures full graphs for each)."""
+    captures full graphs for each), but not the chain's ``1 + depth``: chain steps are causal, vLLM's attention."""
     budgets = {spec.tree_budget} | {entry[2] for entry in spec.num_speculative_tokens_per_batch_size or ()}
+    if chain_fallback(spec):
+        budgets.discard(spec.tree_depth)
     return frozenset(1 + b for b in budgets)
 
 
@@ -103,6 +112,7 @@ class TreeVerifyCore:
         self.handover = handover
         self.budget = handover.budget
         self.depth = depth
+        assert handover.chains is None or handover.chains.shape[1] == depth, "chains are one token per depth"
         self.device = device
         self.timer = timer or StepTimer(device)
         self.verify_trees = TreeBatch.allocate(max_reqs, self.budget, device)  # this step's trees, batch order
@@ -151,12 +161,14 @@ class TreeVerifyCore:
             return None
         self.timer.mark("prepare")
         handover = self.handover
+        chain = handover.chains is not None and int(num_drafts_cpu[: rows.num_reqs].max()) == self.depth
         prepared = self._prepare_rows(rows, handover.trees, handover.stamp, handover.epoch, self.verify_trees,
-                                      self.tree_rows, self._row_buffers)
+                                      self.tree_rows, self._row_buffers, handover.chains, chain)
         if self.check_trees and bool(prepared.refused_fresh.any()):
             bad = prepared.refused_fresh.nonzero().flatten().tolist()
             raise RuntimeError(f"ddtree: batch rows {bad} were fed drafts that are not their fresh tree's tokens")
-        step = VerifyStep(rows=rows, prepared=prepared, num_drafts_cpu=np.asarray(num_drafts_cpu[: rows.num_reqs]))
+        step = VerifyStep(rows=rows, prepared=prepared, num_drafts_cpu=np.asarray(num_drafts_cpu[: rows.num_reqs]),
+                          chain=chain)
         self.attention.step = self._in_flight = step
         self.timer.mark("prepared")
         return step

@@ -15,6 +15,11 @@ Before the forward (``prepare_rows``), per request of the batch:
 - depth positions: a tree row's position becomes ``s + depth(node)`` in place (M-RoPE: all three rows);
 - per logits row its request and node, and per request its root's token row and first logits row.
 
+A chain step (``chains`` given: the chain fallback, ``verify_core``) verifies each request's DFlash chain instead:
+the guard is the same (the runner fed the tree's first drafts), then the chain's tokens overwrite the fed drafts,
+the verify tree is the chain (node i: parent i - 1, depth i, so positions stay linear) and ``tree_rows`` stays -1,
+so attention is causal: vLLM's own kernel. The walk, compaction and linearisation need nothing else.
+
 After the walk (``linearise_rows``), for the drafter: the linear positions back, and the row permutation that puts
 each accepted path right after its root (``chain_order``), so the drafter (and logprobs) see a plain chain.
 
@@ -109,18 +114,46 @@ def chain_order(accepted: torch.Tensor, root_rows: torch.Tensor, num_rows: int) 
     return order[:num_rows]
 
 
+def fill_chains(chains: torch.Tensor, num_drafts: torch.Tensor, verify: TreeBatch) -> None:
+    """Rows ``[:R]`` of ``verify`` become chains: node i (1 <= i <= num_drafts[r]) is ``chains[r, i - 1]`` with
+    parent i - 1 and depth i, the rest padding; the roots' tokens stay."""
+    num_reqs, depth = chains.shape
+    n = verify.token_ids.shape[1]
+    device = chains.device
+    node = torch.arange(n, device=device)[None, :]
+    in_chain = (node <= num_drafts[:, None]) & (node <= depth)
+    padded = torch.cat([verify.token_ids[:num_reqs, :1], chains, chains.new_zeros(num_reqs, max(n - 1 - depth, 0))],
+                       dim=1)[:, :n]
+    verify.token_ids[:num_reqs] = torch.where(in_chain, padded, 0)
+    verify.parents[:num_reqs] = torch.where(in_chain, node - 1, -1).to(verify.parents.dtype)
+    verify.depths[:num_reqs] = torch.where(in_chain, node, -1).to(verify.depths.dtype)
+    bit = torch.arange(verify.ancestor_bits.shape[2] * 32, device=device)
+    ancestors = (bit[None, :] <= torch.arange(n, device=device)[:, None])[None] & in_chain[:, :, None]
+    verify.ancestor_bits[:num_reqs] = pack_bits(ancestors)
+
+
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """[..., 32 W] bool -> [..., W] int32 words, bit b of word w = flags[..., 32 w + b] (bit 31: negative)."""
+    words = flags.view(*flags.shape[:-1], -1, 32).to(torch.int64)
+    value = (words << torch.arange(32, device=flags.device)).sum(-1)
+    return torch.where(value >= 1 << 31, value - (1 << 32), value).to(torch.int32)
+
+
 # ---------------------------------------------------------------------------------------------- prepare
-@triton.jit(do_not_specialize=["num_reqs"])  # one compiled variant whatever the batch size (no JIT mid-serving)
+# One compiled variant whatever the batch size or step kind (no JIT mid-serving): ints equal to 1 would specialise.
+@triton.jit(do_not_specialize=["num_reqs", "chain_step"])
 def _prepare_rows_kernel(
     slots_ptr, cu_ptr, logits_idx_ptr, input_ids_ptr, positions_ptr, mrope_ptr, stride_mrope,
-    src_tok_ptr, src_par_ptr, src_dep_ptr, src_bits_ptr, src_nn_ptr, stamp_ptr, epoch_ptr,
+    src_tok_ptr, src_par_ptr, src_dep_ptr, src_bits_ptr, src_nn_ptr, stamp_ptr, epoch_ptr, chains_ptr,
     dst_tok_ptr, dst_par_ptr, dst_dep_ptr, dst_bits_ptr, dst_nn_ptr,
     tree_rows_ptr, has_tree_ptr, refused_ptr, root_rows_ptr, row_starts_ptr, shift_ptr, row_req_ptr, row_node_ptr,
-    num_reqs,
-    N: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MROPE: tl.constexpr,
+    num_reqs, chain_step,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, D: tl.constexpr,
+    HAS_MROPE: tl.constexpr,
 ):
     """Program r: request r of the batch (r >= num_reqs: only tree_rows[r] = -1). Lane j: node j of its tree,
-    which is also its j-th logits row while j < its row count."""
+    which is also its j-th logits row while j < its row count. ``chain_step`` != 0: verify the chains
+    (``chains_ptr [slots, D]``) instead of the trees."""
     r = tl.program_id(0)
     live = r < num_reqs
     j = tl.arange(0, BLOCK_N)
@@ -143,19 +176,35 @@ def _prepare_rows_kernel(
     tl.store(refused_ptr + r, (fresh & has_drafts & ~all_ok).to(tl.int8), mask=live)
     tl.store(stamp_ptr + slot, -1, mask=has_drafts)  # consumed: never verified twice
 
-    # The tree into batch row r (refused ones too: num_nodes 0 makes the walk ignore them).
+    # The tree (or, on a chain step, the chain: node i has parent i - 1 and depth i) into batch row r; refused
+    # requests too (num_nodes 0 makes the walk ignore them).
+    chain = chain_step != 0
+    in_chain = (j < n_rows) & (j <= D)
+    chain_tok = tl.load(chains_ptr + slot * D + j - 1, mask=in_tree & in_chain & (j >= 1) & chain, other=0)
+    node_tok = tl.where(chain, tl.where(j == 0, tok, tl.where(in_chain, chain_tok, 0)), tok)
+    parent = tl.load(src_par_ptr + slot * N + j, mask=in_tree, other=-1)
+    parent = tl.where(chain, tl.where(in_chain, j - 1, -1), parent)
     depth = tl.load(src_dep_ptr + slot * N + j, mask=in_tree, other=-1)
-    tl.store(dst_tok_ptr + r * N + j, tok, mask=in_tree)
-    tl.store(dst_par_ptr + r * N + j, tl.load(src_par_ptr + slot * N + j, mask=in_tree, other=-1), mask=in_tree)
+    depth = tl.where(chain, tl.where(in_chain, j, -1), depth)
+    tl.store(dst_tok_ptr + r * N + j, node_tok, mask=in_tree)
+    tl.store(dst_par_ptr + r * N + j, parent, mask=in_tree)
     tl.store(dst_dep_ptr + r * N + j, depth, mask=in_tree)
     w = tl.arange(0, BLOCK_W)
     bits_at = j[:, None] * W + w[None, :]
     bits_mask = in_tree[:, None] & (w[None, :] < W)
     bits = tl.load(src_bits_ptr + slot * (N * W) + bits_at, mask=bits_mask, other=0)
+    # A chain node's ancestors are nodes 0..j: the low min(32, j + 1 - 32 w) bits of word w (int64, then int32).
+    ones = tl.minimum(tl.maximum(j[:, None] + 1 - 32 * w[None, :], 0), 32).to(tl.int64)
+    chain_bits = tl.where(ones >= 32, -1, ((ones * 0 + 1) << ones) - 1)
+    chain_bits = tl.where(in_chain[:, None], chain_bits, 0).to(tl.int32)
+    bits = tl.where(chain, chain_bits, bits)
     tl.store(dst_bits_ptr + r * (N * W) + bits_at, bits, mask=bits_mask)
     tl.store(dst_nn_ptr + r, tl.where(has_tree, n_rows - 1, 0), mask=live)
-    tl.store(tree_rows_ptr + r, tl.where(has_tree, r, -1))
+    tl.store(tree_rows_ptr + r, tl.where(has_tree & ~chain, r, -1))  # a chain is causal: vLLM's attention
     tl.store(has_tree_ptr + r, has_tree.to(tl.int8), mask=live)
+    # A chain step feeds its chain: the verified drafts over the tree's, which the runner fed.
+    tl.store(input_ids_ptr + row, node_tok.to(input_ids_ptr.dtype.element_ty),
+             mask=fed_lane & in_chain & (j >= 1) & has_tree & chain)
 
     # Depth positions (nodes past a tree's end, depth -1, keep their chain position) and the row layout.
     shift = tl.where(has_tree & (depth >= 0), depth - j, 0).to(tl.int64)
@@ -175,9 +224,11 @@ def _prepare_rows_kernel(
 
 def prepare_rows_triton(
     rows: RowInputs, source: TreeBatch, stamp: torch.Tensor, epoch: torch.Tensor, verify: TreeBatch,
-    tree_rows: torch.Tensor, out: RowBuffers,
+    tree_rows: torch.Tensor, out: RowBuffers, chains: torch.Tensor | None = None, chain_step: bool = False,
 ) -> PreparedRows:
-    """The Triton path: one launch over ``tree_rows``'s length (rows past the batch get -1 there)."""
+    """The Triton path: one launch over ``tree_rows``'s length (rows past the batch get -1 there). ``chains``
+    ([slots, depth], the hand-over's, whenever the chain fallback is on: one compiled variant for both kinds of
+    step); ``chain_step``: verify them (module docstring)."""
     num_reqs, num_logits = rows.num_reqs, rows.logits_indices.shape[0]
     for tree in (source, verify):
         assert all(getattr(tree, name).is_contiguous() for name in TREE_FIELDS)
@@ -185,14 +236,17 @@ def prepare_rows_triton(
     words = source.ancestor_bits.shape[2]
     block_nodes = triton.next_power_of_2(n)
     mrope = rows.mrope_positions
+    assert chains is not None or not chain_step, "a chain step needs the chains"
     _prepare_rows_kernel[(tree_rows.shape[0],)](
         rows.slots, rows.cu_num_logits, rows.logits_indices, rows.input_ids, rows.positions,
         mrope if mrope is not None else rows.positions, mrope.stride(0) if mrope is not None else 0,
         source.token_ids, source.parents, source.depths, source.ancestor_bits, source.num_nodes, stamp, epoch,
+        chains if chains is not None else source.token_ids,
         verify.token_ids, verify.parents, verify.depths, verify.ancestor_bits, verify.num_nodes,
         tree_rows, out.has_tree, out.refused_fresh, out.root_rows, out.row_starts, out.shift, out.row_request,
-        out.row_node, num_reqs,
-        N=n, BLOCK_N=block_nodes, W=words, BLOCK_W=triton.next_power_of_2(words), HAS_MROPE=mrope is not None,
+        out.row_node, num_reqs, int(chain_step),
+        N=n, BLOCK_N=block_nodes, W=words, BLOCK_W=triton.next_power_of_2(words),
+        D=chains.shape[1] if chains is not None else 1, HAS_MROPE=mrope is not None,
     )
     return PreparedRows(
         shift=out.shift[:num_logits],
@@ -208,7 +262,8 @@ def prepare_rows_triton(
 
 def prepare_rows_torch(
     rows: RowInputs, source: TreeBatch, stamp: torch.Tensor, epoch: torch.Tensor, verify: TreeBatch,
-    tree_rows: torch.Tensor, out: RowBuffers | None = None,
+    tree_rows: torch.Tensor, out: RowBuffers | None = None, chains: torch.Tensor | None = None,
+    chain_step: bool = False,
 ) -> PreparedRows:
     """The plain-PyTorch reference (fresh output tensors; ``out`` is ignored)."""
     device = tree_rows.device
@@ -236,7 +291,13 @@ def prepare_rows_torch(
     gather_trees(source, slots, verify)
     verify.num_nodes[:num_reqs] = torch.where(has_tree, num_drafts, 0).to(verify.num_nodes.dtype)
     tree_rows.fill_(-1)
-    tree_rows[:num_reqs] = torch.where(has_tree, torch.arange(num_reqs, dtype=torch.int32, device=device), -1)
+    if chain_step:
+        fill_chains(chains[slots], num_drafts, verify)
+        fed_drafts = has_tree[row_request] & (node >= 1)
+        rows.input_ids[index] = torch.where(fed_drafts, verify.token_ids[row_request, node],
+                                            rows.input_ids[index].to(torch.int64)).to(rows.input_ids.dtype)
+    else:
+        tree_rows[:num_reqs] = torch.where(has_tree, torch.arange(num_reqs, dtype=torch.int32, device=device), -1)
 
     shift = depth_position_shift(verify, row_request, node, has_tree[row_request])
     rows.positions[index] += shift

@@ -223,10 +223,20 @@ def main() -> None:
         if "spec_decode" in m.name
     }
     out["spec_decode"] = metrics
+    policy = getattr(_in_process_scheduler(llm), "budget_policy", None)
+    if policy is not None:  # ddtree's cost-aware scheduler: per verified draft count, the requests' accepted drafts
+        out["budget_policy"] = {"chain": policy.chain,
+                                "accepted": {str(b): list(w.samples) for b, w in policy.accepted.items()}}
     if audit_file:
         out["sync_audit"] = json.loads(Path(audit_file).read_text() or "[]")
     out["preemptions"] = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     print("ENGINE_RESULT " + json.dumps(out), flush=True)
+
+
+def _in_process_scheduler(llm):
+    """The engine core's scheduler where the core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return getattr(core, "scheduler", None)
 
 
 if __name__ == "__main__":

@@ -74,15 +74,18 @@ class ReferenceStep:
 
 
 def reference_step(target: ToyTarget, prefix: list[int], root: int, draft_logits: torch.Tensor, budget: int,
-                   num_fed: int | None = None) -> ReferenceStep:
+                   num_fed: int | None = None, chain: bool = False) -> ReferenceStep:
     """One request: ``prefix`` is in the cache (positions 0..s-1), ``root`` is the last sampled token (position s),
-    ``draft_logits [L, V]`` the drafter's; the scheduler fed the first ``num_fed`` nodes (default all)."""
+    ``draft_logits [L, V]`` the drafter's; the scheduler fed the first ``num_fed`` nodes (default all). ``chain``:
+    a chain step, which verifies the DFlash chain (each depth's most likely draft token) instead of the tree."""
     top_logp, top_ids = per_depth_topk(draft_logits[None], min(budget, draft_logits.shape[-1]))
     heap = heap_tree(top_logp[0].tolist(), top_ids[0].tolist(), budget)  # the authors' best-first heap
-    tree = tree_batch_from_lists([(heap.tokens[1:], heap.parents[1:])], budget, [root])
-    n = heap.num_nodes if num_fed is None else num_fed
-    parents = heap.parents
-    tokens = [root] + heap.tokens[1:]
+    tokens, parents = [root] + heap.tokens[1:], heap.parents
+    if chain:  # node i: depth i's most likely token, child of node i - 1
+        tokens = [root, *draft_logits.argmax(-1).tolist()]
+        parents = list(range(-1, len(tokens) - 1))
+    tree = tree_batch_from_lists([(tokens[1:], parents[1:])], budget, [root])
+    n = len(tokens) - 1 if num_fed is None else num_fed
 
     def path(node: int) -> list[int]:
         nodes = [node]
@@ -90,13 +93,13 @@ def reference_step(target: ToyTarget, prefix: list[int], root: int, draft_logits
             nodes.append(parents[nodes[-1]])
         return nodes[::-1]
 
-    def chain(nodes: list[int]):
+    def run_chain(nodes: list[int]):
         seq = torch.tensor(prefix + [tokens[i] for i in nodes])
         q, k, v = target.qkv(seq, torch.arange(len(seq)))
         causal = torch.ones(len(seq), len(seq), dtype=torch.bool).tril()
         return target.logits(q, k, v, causal), k, v
 
-    node_logits = torch.stack([chain(path(i))[0][-1] for i in range(n + 1)])  # each node verified as its own chain
+    node_logits = torch.stack([run_chain(path(i))[0][-1] for i in range(n + 1)])  # each node verified as its own chain
     argmax = node_logits.argmax(-1).tolist()
     top2 = node_logits.topk(2, dim=-1).values
     children = {}
@@ -105,6 +108,6 @@ def reference_step(target: ToyTarget, prefix: list[int], root: int, draft_logits
     accepted = [0]
     while argmax[accepted[-1]] in children.get(accepted[-1], {}):
         accepted.append(children[accepted[-1]][argmax[accepted[-1]]])
-    _, keys, values = chain(accepted)
+    _, keys, values = run_chain(accepted)
     return ReferenceStep(tree, accepted, [tokens[i] for i in accepted[1:]] + [argmax[accepted[-1]]], keys, values,
                          float((top2[:, 0] - top2[:, 1]).min()))

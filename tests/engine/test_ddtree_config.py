@@ -70,8 +70,13 @@ def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):
         ({"num_speculative_tokens_per_batch_size": [[1, 4, 0]]}, "each budget must be in"),
         ({"num_speculative_tokens_per_batch_size": [[2, 4, 8]]}, "must start at 1"),
         ({"num_speculative_tokens_per_batch_size": [[1, 4, 8], [3, 8, 4]]}, "non-overlapping"),
-        ({"tree_budgets": [16]}, "at least two different node budgets"),
-        ({"tree_budgets": [16, 200]}, r"at least two different node budgets in \[1, 128\]"),
+        ({"tree_budgets": [16]}, "at least two different choices"),
+        ({"tree_budgets": [16, 200]}, r"at least two different choices: node budgets in \[1, 128\]"),
+        ({"tree_budgets": ["chain"]}, "at least two different choices"),
+        ({"tree_budgets": ["chain", "chain", 16]}, "at least two different choices"),
+        ({"tree_budgets": ["tree", 16]}, 'optionally "chain"'),
+        ({"tree_budgets": ["chain", 7, 16]}, "tree_depth = 7 drafts, and so would the tree budget 7"),
+        ({"tree_budgets": ["chain", 4]}, "tree_depth = 4 drafts, and so would the tree budget 4"),
         ({"tree_budgets": [4, 8], "num_speculative_tokens_per_batch_size": [[1, 4, 8]]}, "drop one"),
         ({"tree_budgets": [4, 8], "num_speculative_tokens": 16}, "the node budget is the largest of tree_budgets"),
     ],
@@ -128,6 +133,26 @@ def test_tree_budgets_run_the_cost_aware_scheduler(tiny_llama_dir, tiny_llama_df
                    scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler",
                    speculative_config={"method": "ddtree", "model": str(tiny_llama_dflash_dir),
                                        "tree_budgets": [4, 8]}).create_engine_config()
+
+
+def test_the_chain_fallback_is_a_choice_of_tree_depth_drafts(tiny_llama_dir, tiny_llama_dflash_dir):
+    """``"chain"`` in tree_budgets: vLLM's schedule gets the chain's entry (``tree_depth`` drafts, once the drafter's
+    block size fixes the depth), the node budget is the largest tree's, and the chain's width is not a verify
+    width (its steps are causal, vLLM's attention)."""
+    from vllm_ddtree.config import chain_fallback, describe_runner, tree_budget_choices
+    from vllm_ddtree.verify_core import verify_widths
+
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir),
+                           tree_budgets=[16, "chain", 4])
+    spec = config.speculative_config
+    assert (spec.tree_budget, spec.num_speculative_tokens, spec.tree_depth) == (16, 16, 7)
+    assert chain_fallback(spec) and tree_budget_choices(spec) == [4, 7, 16]
+    assert spec.num_speculative_tokens_per_batch_size == [[1, 1, 16], [2, 2, 7], [3, 3, 4]]
+    assert verify_widths(spec) == {5, 17}
+    assert "cost-aware node budget among [4, 16] or the DFlash chain (7 drafts)" in describe_runner(config, False)
+    spec = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), tree_budgets=["chain", 4],
+                         tree_depth=3).speculative_config
+    assert spec.num_speculative_tokens_per_batch_size == [[1, 1, 4], [2, 2, 3]] and verify_widths(spec) == {5}
 
 
 def test_accepts_a_gated_delta_net_hybrid_target_on_the_cpu(tiny_hybrid_dir, tiny_hybrid_dflash_dir):

@@ -57,11 +57,14 @@ def test_adaptive_budget_follows_the_batch_size_schedule(tiny_llama_dir, tiny_ll
     assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2
 
 
+@pytest.mark.parametrize("budgets, fewest", [([3, 16], 3), (["chain", 16], 7)], ids=["trees", "chain"])
 def test_cost_aware_budget_verifies_several_budgets_losslessly(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids,
-                                                              reference):
-    """``tree_budgets``: ddtree's scheduler picks each step's budget (budget_policy.py); it tries both budgets
-    before it settles, and whichever it picks, the outputs are no-spec's."""
-    spec = {"method": "ddtree", "model": str(tiny_llama_dflash_dir), "tree_budgets": [3, 16]}
+                                                              reference, budgets, fewest):
+    """``tree_budgets``: ddtree's scheduler picks each step's budget (budget_policy.py); it tries both choices
+    before it settles, and whichever it picks, the outputs are no-spec's. ``"chain"``: chain steps verify
+    ``tree_depth`` = 7 drafts, the DFlash chain swapped in for the tree's first drafts, causally; they accept the
+    oracle drafter's chain."""
+    spec = {"method": "ddtree", "model": str(tiny_llama_dflash_dir), "tree_budgets": budgets}
     result = run_engine(
         model=str(tiny_llama_dir),
         prompt_token_ids=prompt_ids,
@@ -73,8 +76,12 @@ def test_cost_aware_budget_verifies_several_budgets_losslessly(tiny_llama_dir, t
     assert result["token_ids"] == reference
     stats = result["spec_decode"]
     drafts, draft_tokens = stats["vllm:spec_decode_num_drafts"], stats["vllm:spec_decode_num_draft_tokens"]
-    assert 3 * drafts < draft_tokens < 16 * drafts  # steps verified 3 drafts and steps verified 16
+    assert fewest * drafts < draft_tokens < 16 * drafts  # steps verified the fewest drafts and steps verified 16
     assert stats["vllm:spec_decode_num_accepted_tokens"] > drafts // 2
+    policy = result["budget_policy"]
+    assert policy["chain"] == (fewest if "chain" in budgets else None)
+    fewest_accepted = policy["accepted"][str(fewest)]  # the oracle ranks the right token first at ~half the depths
+    assert len(fewest_accepted) >= 8 and sum(a > 0 for a in fewest_accepted) >= len(fewest_accepted) // 4, policy
 
 
 # The one host synchronisation DDTree's code may make in a step on the CPU engine: its PyTorch KV compaction

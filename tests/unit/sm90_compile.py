@@ -123,6 +123,7 @@ CALLS = [
     ("test_hybrid_gdn", "test_move_conv_columns_equals_the_relayout_plan", {"seed": 0}),
     ("test_hybrid_gdn", "test_stash_keeps_a_layers_rows_in_one_launch", {"tokens": 70}),
     ("test_mrv2_ddtree", "test_prepare_rows_kernel_equals_its_torch_reference", {"seed": 0, "tamper": "mrope"}),
+    ("test_mrv2_ddtree", "test_chain_ancestor_bits_fill_whole_words_in_kernel_and_reference", {}),
     ("test_tree_build", "test_build_matches_heap_random",
      {"budget": 16, "vocab_vs_budget": "vocab_above_budget", "build": {"use_triton": True}}),
 ]

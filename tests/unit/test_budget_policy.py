@@ -62,6 +62,19 @@ def test_settles_on_the_budget_with_the_most_tokens_per_second(seconds, accepted
     assert set(counts) - {best} == neighbours, counts
 
 
+@pytest.mark.parametrize("accepted, best", [({15: 0.0, 16: 0.0, 32: 0.0, 64: 0.0}, 15),
+                                             ({15: 2.0, 16: 3.0, 32: 4.0, 64: 4.2}, 32)])
+def test_the_chain_fallback_is_one_more_choice_below_the_smallest_tree(accepted, best):
+    """With nothing accepted the chain (``tree_depth`` drafts on vLLM's attention: the cheapest step) wins; where
+    trees accept enough to pay for their verify, a tree does. The summary names the chain."""
+    seconds = {15: 0.93, 16: 1.00, 32: 1.04, 64: 1.10}
+    assert max(seconds, key=lambda b: (1 + accepted[b]) / seconds[b]) == best
+    policy = CostAwareBudget([16, 32, 64, 15], chain=15, probe_every=32)
+    chosen = Engine(policy, lambda n, b: seconds[b], lambda b: accepted[b]).run(batch=1, steps=400)
+    assert settled(chosen).most_common(1)[0][0] == best
+    assert policy.summary().startswith("batch 1: chain: ") and ", B=16: " in policy.summary()
+
+
 def test_settles_at_batch_1_where_each_request_accepts_anything_from_0_to_the_depth():
     """One request per step, its accepted count drawn from 0..2 x mean (a step's sample says little): the choice
     rests on the last requests' mean, not on the last step."""

@@ -285,6 +285,9 @@ REQUESTS = [
     (6, "prefill", 0, 0),  # a chunk of a longer prompt: samples nothing
 ]
 PREFILL_CHUNK = 4
+# A chain step (the chain fallback): the widest request is fed DEPTH drafts; the stale one too.
+CHAIN_REQUESTS = [(5, "tree", DEPTH, 20), (2, "tree", 2, 11), (0, "stale", DEPTH, 7), (3, "nodraft", 0, 9),
+                  (6, "prefill", 0, 0)]
 
 
 def _tree_children(trees: TreeBatch, row: int, limit: int) -> dict[int, list[int]]:
@@ -329,7 +332,7 @@ class FakeStep:
     """Request state, filed trees and an InputBatch made by MRV2's own input kernels, as the runner makes them;
     ``speculator`` stands in for DDTreeSpeculator (its core and what the adapter methods read)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, requests=REQUESTS):
         from vllm.v1.worker.gpu.input_batch import (
             InputBuffers,
             combine_sampled_and_draft_tokens,
@@ -339,7 +342,11 @@ class FakeStep:
 
         gen = torch.Generator().manual_seed(seed)
         self.gen = gen
-        self.handover = TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"))
+        self.requests = requests
+        self.handover = TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"), DEPTH)
+        # Every slot's DFlash chain, filed beside its tree (own draws: the other data stay as they were).
+        self.handover.chains.copy_(torch.randint(1, VOCAB, (MAX_REQS, DEPTH),
+                                                 generator=torch.Generator().manual_seed(1000 + seed)))
         self.handover.epoch.fill_(EPOCH)
         self.req_trees = self.handover.trees
         self.core = TreeVerifyCore(self.handover, DEPTH, MAX_REQS, MAX_TOKENS, torch.device("cpu"), cuda_graphs=False)
@@ -348,7 +355,7 @@ class FakeStep:
         self.num_computed = torch.zeros(MAX_REQS, dtype=torch.int32)
         self.prefill_len = torch.zeros(MAX_REQS, dtype=torch.int32)
         self.draft_tokens = torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64)
-        for slot, kind, _, s in REQUESTS:
+        for slot, kind, _, s in self.requests:
             self.num_computed[slot] = s
             self.prefill_len[slot] = PREFILL_LEN if kind == "prefill" else 1
             if kind in ("tree", "stale"):
@@ -360,10 +367,11 @@ class FakeStep:
                 if kind == "tree":
                     self.draft_tokens[slot] = built.token_ids[0, 1:]
 
-        num_reqs = len(REQUESTS)
-        idx_mapping_np = np.array([r[0] for r in REQUESTS], dtype=np.int32)
-        nd_np = np.array([r[2] for r in REQUESTS], dtype=np.int32)
-        scheduled = np.array([PREFILL_CHUNK if r[1] == "prefill" else r[2] + 1 for r in REQUESTS], dtype=np.int32)
+        num_reqs = len(self.requests)
+        idx_mapping_np = np.array([r[0] for r in self.requests], dtype=np.int32)
+        nd_np = np.array([r[2] for r in self.requests], dtype=np.int32)
+        scheduled = np.array([PREFILL_CHUNK if r[1] == "prefill" else r[2] + 1 for r in self.requests],
+                             dtype=np.int32)
         cu_np = np.concatenate([[0], np.cumsum(nd_np + 1)]).astype(np.int32)
         qsl_np = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
         num_tokens = int(qsl_np[-1])
@@ -410,14 +418,14 @@ class FakeStep:
         return self.core.step
 
     def root_row(self, r: int) -> int:
-        return int(self.batch.query_start_loc_np[r + 1]) - (REQUESTS[r][2] + 1)
+        return int(self.batch.query_start_loc_np[r + 1]) - (self.requests[r][2] + 1)
 
     def target_logits(self) -> tuple[torch.Tensor, dict[int, list[int]], dict[int, int]]:
         """Logits whose argmax walks each fresh tree down its last-numbered children; returns (logits, accepted
         node ids per batch row, bonus per batch row)."""
         logits = torch.randn(int(self.batch.cu_num_logits_np[-1]), VOCAB, generator=self.gen) * 0.1
         paths, bonus = {}, {}
-        for r, (slot, kind, nd, _) in enumerate(REQUESTS):
+        for r, (slot, kind, nd, _) in enumerate(self.requests):
             start = int(self.batch.cu_num_logits_np[r])
             if kind != "tree":
                 bonus[r] = int(logits[start].argmax())
@@ -527,6 +535,83 @@ def test_prepare_rows_kernel_equals_its_torch_reference(seed, tamper):
     for name in (*TREE_FIELDS, "num_nodes"):
         assert torch.equal(getattr(kernel_step.core.verify_trees, name)[:num_reqs],
                            getattr(reference_step.core.verify_trees, name)[:num_reqs]), name
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chain_step_verifies_the_chains_on_causal_rows_in_kernel_and_reference(seed):
+    """A chain step (the widest request fed ``depth`` drafts, the chain fallback on): the core says so, and the
+    Triton prepare and its reference both swap each fresh request's fed drafts for its chain, lay the chain out as
+    the verify tree (parent i - 1, depth i, ancestors 0..i), keep linear positions and leave every row causal."""
+    from vllm_ddtree.verify_rows import RowBuffers, RowInputs, prepare_rows_torch, prepare_rows_triton
+
+    assert FakeStep(seed).prepare().chain is False
+    assert FakeStep(seed, CHAIN_REQUESTS).prepare().chain is True
+    steps = [FakeStep(seed, CHAIN_REQUESTS), FakeStep(seed, CHAIN_REQUESTS)]
+    fed_before = steps[0].batch.input_ids.clone()
+    outputs = []
+    for step, prepare in zip(steps, (prepare_rows_triton, prepare_rows_torch)):
+        core, batch = step.core, step.batch
+        core.tree_rows.fill_(3)
+        rows = RowInputs(batch.idx_mapping, batch.cu_num_logits, batch.logits_indices, batch.input_ids,
+                         batch.positions, None, batch.num_reqs, batch.num_tokens)
+        outputs.append(prepare(rows, step.req_trees, step.handover.stamp, step.handover.epoch, core.verify_trees,
+                               core.tree_rows, RowBuffers(MAX_REQS, MAX_TOKENS, torch.device("cpu")),
+                               step.handover.chains, True))
+    (kernel, reference), (kernel_step, reference_step) = outputs, steps
+    assert kernel.has_tree.tolist() == reference.has_tree.tolist() == [True, True, False, False, False]
+    for name in ("shift", "row_request", "row_node", "root_rows", "row_starts"):
+        assert torch.equal(getattr(kernel, name), getattr(reference, name)), name
+    assert not kernel.shift.any()
+    num_reqs = len(CHAIN_REQUESTS)
+    for name in (*TREE_FIELDS, "num_nodes"):
+        assert torch.equal(getattr(kernel_step.core.verify_trees, name)[:num_reqs],
+                           getattr(reference_step.core.verify_trees, name)[:num_reqs]), name
+    for step in steps:
+        assert step.core.tree_rows.eq(-1).all()
+        assert torch.equal(step.batch.positions, step.linear_positions)
+    assert torch.equal(kernel_step.batch.input_ids, reference_step.batch.input_ids)
+    trees, chains, expected_ids = kernel_step.core.verify_trees, kernel_step.handover.chains, fed_before.clone()
+    for r, (slot, kind, nd, _) in enumerate(CHAIN_REQUESTS):
+        if kind != "tree":
+            continue
+        root = kernel_step.root_row(r)
+        expected_ids[root + 1 : root + 1 + nd] = chains[slot, :nd].to(expected_ids.dtype)
+        assert int(trees.num_nodes[r]) == nd
+        assert trees.token_ids[r, : nd + 1].tolist() == [int(fed_before[root]), *chains[slot, :nd].tolist()]
+        assert trees.parents[r].tolist() == [-1, *range(nd)] + [-1] * (BUDGET - nd)
+        assert trees.depths[r].tolist() == [*range(nd + 1)] + [-1] * (BUDGET - nd)
+        assert trees.ancestor_bits[r, :, 0].tolist() == [2 ** (i + 1) - 1 for i in range(nd + 1)] + [0] * (BUDGET - nd)
+    assert torch.equal(kernel_step.batch.input_ids, expected_ids)  # the stale request's placeholders stay
+    assert not torch.equal(expected_ids, fed_before)
+
+
+def test_chain_ancestor_bits_fill_whole_words_in_kernel_and_reference():
+    """Chains past 32 nodes: bit 31 (a negative int32) and full words, as ``ancestor_bits_from_parents`` has them."""
+    from vllm_ddtree.tree.build import ancestor_bits_from_parents
+    from vllm_ddtree.verify_rows import RowBuffers, RowInputs, fill_chains, prepare_rows_triton
+
+    depth, budget, slot = 40, 48, 1
+    handover = TreeHandover(2, budget, torch.device("cpu"), depth)
+    handover.chains[slot] = torch.arange(1, depth + 1)
+    handover.trees.num_nodes[slot] = budget
+    handover.trees.token_ids[slot] = torch.arange(100, 101 + budget)  # the tree the runner fed
+    handover.stamp[slot] = handover.epoch
+    input_ids = torch.arange(100, 101 + depth, dtype=torch.int32)
+    positions = torch.arange(7, 8 + depth)
+    rows = RowInputs(torch.tensor([slot]), torch.tensor([0, depth + 1], dtype=torch.int32),
+                     torch.arange(depth + 1, dtype=torch.int32), input_ids, positions, None, 1, depth + 1)
+    verify = TreeBatch.allocate(2, budget, "cpu")
+    prepare_rows_triton(rows, handover.trees, handover.stamp, handover.epoch, verify,
+                        torch.zeros(2, dtype=torch.int32), RowBuffers(2, 64, torch.device("cpu")), handover.chains,
+                        True)
+    parents = torch.tensor([[-1, *range(depth)] + [-1] * (budget - depth)])
+    want = ancestor_bits_from_parents(parents, depth)
+    want[:, depth + 1 :] = 0
+    assert torch.equal(verify.ancestor_bits[:1], want)  # batch row 0
+    assert input_ids[1:].tolist() == list(range(1, depth + 1))
+    reference = TreeBatch.allocate(1, budget, "cpu")
+    fill_chains(handover.chains[slot : slot + 1], torch.tensor([depth]), reference)
+    assert torch.equal(reference.ancestor_bits, want)
 
 
 def test_prepare_verify_skips_steps_without_drafts():
@@ -739,6 +824,7 @@ def test_generate_draft_builds_trees_rooted_at_the_anchors():
         input_buffers=SimpleNamespace(input_ids=input_ids),
         _anchor_idx=anchors,
         batch_trees=TreeBatch.allocate(MAX_REQS, BUDGET, "cpu"),
+        batch_chains=torch.zeros(MAX_REQS, DEPTH, dtype=torch.int64),  # the chain fallback on
         draft_tokens=torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64),
         tree_budget=BUDGET,
         tree_depth=DEPTH,
@@ -752,6 +838,7 @@ def test_generate_draft_builds_trees_rooted_at_the_anchors():
     assert torch.equal(fake.batch_trees.parents[:num_reqs], want.parents)
     assert fake.batch_trees.token_ids[:num_reqs, 0].tolist() == input_ids[anchors[:num_reqs]].tolist()
     assert torch.equal(fake.draft_tokens[:num_reqs], want.token_ids[:, 1:])
+    assert torch.equal(fake.batch_chains[:num_reqs], logits.argmax(-1))  # the DFlash chain, filed beside the tree
 
 
 def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(monkeypatch):
@@ -768,7 +855,7 @@ def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(m
                            timer=SimpleNamespace(mark=lambda name: None),
                            handover=SimpleNamespace(file=lambda *a: filed.append(a)))
     fake = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    fake.core, fake.batch_trees = core, "trees"
+    fake.core, fake.batch_trees, fake.batch_chains = core, "trees", "chains"
     batch = SimpleNamespace(num_tokens=2, idx_mapping="slots", num_reqs=2)
     hidden = torch.tensor([[10.0], [20.0]])
     rest = tuple(f"arg{i}" for i in range(6))  # num_sampled .. seeds
@@ -776,7 +863,7 @@ def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(m
     args, kwargs = seen.pop()
     assert args[:3] == (batch, "meta", "slot_maps") and args[5:] == rest and args[4] == []
     assert args[3].flatten().tolist() == [20.0, 10.0]  # the accepted path first
-    assert kwargs == {"dummy_run": False, "mm_inputs": "mm"} and filed == [("slots", "trees", 2)]
+    assert kwargs == {"dummy_run": False, "mm_inputs": "mm"} and filed == [("slots", "trees", 2, "chains")]
     named = dict(zip(("num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds"),
                      rest))
     fake.propose(input_batch=batch, attn_metadata="meta", slot_mappings="slot_maps", last_hidden_states=hidden,
@@ -790,13 +877,15 @@ def test_handover_files_each_batch_row_under_its_request_slot_with_a_new_epoch()
     gen = torch.Generator().manual_seed(4)
     batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
     build_tree(torch.randn(3, DEPTH, VOCAB, generator=gen), BUDGET, batch_trees, torch.tensor([1, 2, 3]))
-    handover = TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"))
+    batch_chains = torch.randint(0, VOCAB, (MAX_REQS, DEPTH), generator=gen)
+    handover = TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"), DEPTH)
     idx_mapping = torch.tensor([6, 0, 3], dtype=torch.int32)
-    handover.file(idx_mapping, batch_trees, 3)
-    handover.file(idx_mapping[:1], batch_trees, 1)  # a later draft step with one request
+    handover.file(idx_mapping, batch_trees, 3, batch_chains)
+    handover.file(idx_mapping[:1], batch_trees, 1, batch_chains)  # a later draft step with one request
     for row, slot in enumerate(idx_mapping.tolist()):
         for name in (*TREE_FIELDS, "num_nodes"):
             assert torch.equal(getattr(handover.trees, name)[slot], getattr(batch_trees, name)[row])
+        assert torch.equal(handover.chains[slot], batch_chains[row])
     assert int(handover.trees.num_nodes[1]) == 0  # untouched slots stay empty
     assert handover.stamp[[6, 0, 3, 1]].tolist() == [2, 1, 1, -1] and int(handover.epoch) == 2
 

@@ -28,35 +28,41 @@ from vllm_ddtree.verify_core import TreeVerifyCore
 VOCAB, DIM, BUDGET, DEPTH, BLOCK, MAX_BLOCKS, MAX_REQS, MAX_TOKENS = 24, 16, 8, 4, 4, 8, 6, 96
 # (request slot, prefix length s, drafts fed): one fed fewer drafts than the budget (a prefix of its tree).
 REQUESTS = [(4, 9, BUDGET), (1, 5, 5), (3, 13, BUDGET)]
+# A chain step (the chain fallback): the widest request was fed ``DEPTH`` drafts, one fewer.
+CHAIN_REQUESTS = [(4, 9, DEPTH), (1, 5, DEPTH - 1), (3, 13, DEPTH)]
 DEVICE = torch.device("cpu")
 
 
 class Scenario:
     """Prefixes in a paged cache, roots and draft logits, the reference step of every request."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, chain: bool = False):
+        """``chain``: the step verifies the DFlash chains (the chain fallback on, each request fed its tree's first
+        drafts, the widest ``DEPTH``)."""
+        self.requests = CHAIN_REQUESTS if chain else REQUESTS
+        self.chain = chain
         gen = torch.Generator().manual_seed(seed)
         self.target = ToyTarget.random(VOCAB, DIM, seed)
-        self.prefixes = [torch.randint(0, VOCAB, (s,), generator=gen).tolist() for _, s, _ in REQUESTS]
-        self.roots = torch.randint(0, VOCAB, (len(REQUESTS),), generator=gen)
+        self.prefixes = [torch.randint(0, VOCAB, (s,), generator=gen).tolist() for _, s, _ in self.requests]
+        self.roots = torch.randint(0, VOCAB, (len(self.requests),), generator=gen)
         # A drafter that knows the target's greedy continuation and ranks it first or second at each depth (or not
         # at all), beside decoys: trees that get accepted, down branches that are not the first child too.
-        self.draft_logits = torch.randn(len(REQUESTS), DEPTH, VOCAB, generator=gen)
+        self.draft_logits = torch.randn(len(self.requests), DEPTH, VOCAB, generator=gen)
         for r, prefix in enumerate(self.prefixes):
             for d, token in enumerate(self.greedy_continuation(prefix + [int(self.roots[r])], DEPTH)):
                 decoys = torch.randint(0, VOCAB, (2,), generator=gen)
                 self.draft_logits[r, d, decoys] += torch.tensor([6.0, 5.0])
                 u = float(torch.rand((), generator=gen))
                 self.draft_logits[r, d, token] += 7.0 if u < 0.5 else 5.5 if u < 0.85 else 0.0
-        self.refs = [reference_step(self.target, prefix, int(root), self.draft_logits[r], BUDGET, fed)
-                     for r, (prefix, root, (_, _, fed)) in enumerate(zip(self.prefixes, self.roots, REQUESTS))]
+        self.refs = [reference_step(self.target, prefix, int(root), self.draft_logits[r], BUDGET, fed, chain)
+                     for r, (prefix, root, (_, _, fed)) in enumerate(zip(self.prefixes, self.roots, self.requests))]
         by_slot = torch.randperm(MAX_REQS * MAX_BLOCKS, generator=gen).view(MAX_REQS, MAX_BLOCKS).to(torch.int32)
-        self.block_table = by_slot[[slot for slot, _, _ in REQUESTS]]  # batch order
+        self.block_table = by_slot[[slot for slot, _, _ in self.requests]]  # batch order
         self.cache = torch.zeros(MAX_REQS * MAX_BLOCKS, BLOCK, 1, 2 * DIM, dtype=torch.float32)
         for r, prefix in enumerate(self.prefixes):
             _, k, v = self.target.qkv(torch.tensor(prefix), torch.arange(len(prefix)))
             self.write_kv(r, torch.arange(len(prefix)), k, v)
-        self.handover = TreeHandover(MAX_REQS, BUDGET, DEVICE)
+        self.handover = TreeHandover(MAX_REQS, BUDGET, DEVICE, DEPTH if chain else 0)
         self.core = TreeVerifyCore(self.handover, DEPTH, MAX_REQS, MAX_TOKENS, DEVICE, cuda_graphs=False)
         self.core.compaction = self
         self.group = 0
@@ -89,35 +95,42 @@ class Scenario:
     def file_trees(self, slots: torch.Tensor) -> TreeBatch:
         """The drafter's side: the device build of every request's tree, filed under its slot."""
         batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, DEVICE)
-        build_tree(self.draft_logits, BUDGET, batch_trees, self.roots)
-        self.handover.file(slots, batch_trees, len(REQUESTS))
+        chains = torch.zeros(MAX_REQS, DEPTH, dtype=torch.int64) if self.chain else None
+        build_tree(self.draft_logits, BUDGET, batch_trees, self.roots, chain_out=chains)
+        self.batch_trees = batch_trees
+        self.handover.file(slots, batch_trees, len(self.requests), chains)
         return batch_trees
 
     def forward(self, input_ids, linear_positions, positions, query_start_loc, logits_indices) -> torch.Tensor:
         """The toy target over this step's rows: K/V at linear slots, RoPE at (depth) positions, tree attention."""
         q, k, v = self.target.qkv(input_ids, positions)
         starts = query_start_loc.tolist()
-        for r in range(len(REQUESTS)):
+        for r in range(len(self.requests)):
             rows = slice(starts[r], starts[r + 1])
             self.write_kv(r, linear_positions[rows], k[rows], v[rows])
-        seq_lens = torch.tensor([s + fed + 1 for _, s, fed in REQUESTS], dtype=torch.int32)
+        seq_lens = torch.tensor([s + fed + 1 for _, s, fed in self.requests], dtype=torch.int32)
         key_cache, value_cache = self.cache.split(DIM, dim=-1)
         out = torch.zeros(q.shape[0], 1, DIM, dtype=torch.float32)
         tree_attention(q.to(torch.float32)[:, None], key_cache, value_cache, out, query_start_loc, seq_lens,
                        self.block_table, self.core.attention.ancestor_bits, DIM**-0.5,
-                       tree_rows=self.core.attention.tree_rows[: len(REQUESTS)])
+                       tree_rows=self.core.attention.tree_rows[: len(self.requests)])
         return (out[:, 0].to(torch.float64) @ self.target.wo)[logits_indices.long()]
 
     def check(self, tokens_by_request: list[list[int]]) -> None:
         """Committed tokens and the cache after the step equal the reference's."""
-        for r, ((_, s, _), ref) in enumerate(zip(REQUESTS, self.refs)):
+        for r, ((_, s, _), ref) in enumerate(zip(self.requests, self.refs)):
             assert tokens_by_request[r] == ref.tokens, f"request {r}"
             m = len(ref.accepted) - 1
             keys, values = self.read_kv(r, s + m + 1)
             torch.testing.assert_close(keys, ref.keys.to(torch.float32), atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(values, ref.values.to(torch.float32), atol=1e-4, rtol=1e-4)
         assert max(len(ref.accepted) for ref in self.refs) >= 3, "the scenario should accept a path of depth >= 2"
-        assert any(node != k for ref in self.refs for k, node in enumerate(ref.accepted)), "and off the node order"
+        if self.chain:  # the runner fed the trees' first drafts, which are not the chains: prepare swapped them
+            fed = [self.batch_trees.token_ids[r, 1 : n + 1].tolist() for r, (_, _, n) in enumerate(self.requests)]
+            chains = [ref.tree.token_ids[0, 1 : n + 1].tolist() for ref, (_, _, n) in zip(self.refs, self.requests)]
+            assert fed != chains
+        else:
+            assert any(node != k for ref in self.refs for k, node in enumerate(ref.accepted)), "and off the node order"
 
 
 def well_conditioned(scenario: Scenario) -> bool:
@@ -126,10 +139,13 @@ def well_conditioned(scenario: Scenario) -> bool:
 
 
 SEEDS = [0, 1, 7]  # each accepts paths off the node order (checked in Scenario.check)
+CHAIN_SEEDS = [1, 23, 33]  # each accepts a chain of depth >= 2 (checked too)
+STEPS = [pytest.param(seed, False, id=f"tree-{seed}") for seed in SEEDS] + [
+    pytest.param(seed, True, id=f"chain-{seed}") for seed in CHAIN_SEEDS]
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_model_runner_v2_adapter_commits_the_reference_step(seed):
+@pytest.mark.parametrize("seed, chain", STEPS)
+def test_model_runner_v2_adapter_commits_the_reference_step(seed, chain):
     from vllm.v1.worker.gpu.input_batch import (
         InputBuffers,
         combine_sampled_and_draft_tokens,
@@ -140,20 +156,20 @@ def test_model_runner_v2_adapter_commits_the_reference_step(seed):
     from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
     from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
 
-    sc = Scenario(seed)
+    sc = Scenario(seed, chain)
     assert well_conditioned(sc)
-    idx_mapping = torch.tensor([slot for slot, _, _ in REQUESTS], dtype=torch.int32)
+    idx_mapping = torch.tensor([slot for slot, _, _ in sc.requests], dtype=torch.int32)
     batch_trees = sc.file_trees(idx_mapping)
     # MRV2's request state: s computed tokens, the root as last sampled, the tree's tokens as the drafts.
     num_computed = torch.zeros(MAX_REQS, dtype=torch.int32)
     last_sampled = torch.zeros(MAX_REQS, dtype=torch.int64)
     draft_tokens = torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64)
-    for r, (slot, s, _) in enumerate(REQUESTS):
+    for r, (slot, s, _) in enumerate(sc.requests):
         num_computed[slot], last_sampled[slot] = s, sc.roots[r]
         draft_tokens[slot] = batch_trees.token_ids[r, 1:]
-    nd = np.array([fed for _, _, fed in REQUESTS], dtype=np.int32)
+    nd = np.array([fed for _, _, fed in sc.requests], dtype=np.int32)
     cu_np = np.concatenate([[0], np.cumsum(nd + 1)]).astype(np.int32)
-    num_reqs, num_tokens = len(REQUESTS), int(cu_np[-1])
+    num_reqs, num_tokens = len(sc.requests), int(cu_np[-1])
     buffers = InputBuffers(MAX_REQS, MAX_TOKENS, DEVICE)
     buffers.query_start_loc[: num_reqs + 1] = torch.from_numpy(cu_np)
     buffers.query_start_loc[num_reqs + 1 :] = num_tokens
@@ -191,23 +207,23 @@ def test_model_runner_v2_adapter_commits_the_reference_step(seed):
         assert order[root : root + len(ref.accepted)].tolist() == [root + node for node in ref.accepted]
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_v1_adapter_commits_the_reference_step(seed):
+@pytest.mark.parametrize("seed, chain", STEPS)
+def test_v1_adapter_commits_the_reference_step(seed, chain):
     from vllm_ddtree.v1.sampler import TreeRejectionSampler
 
-    sc = Scenario(seed)
+    sc = Scenario(seed, chain)
     assert well_conditioned(sc)
-    req_ids = [f"req-{slot}" for slot, _, _ in REQUESTS]
+    req_ids = [f"req-{slot}" for slot, _, _ in sc.requests]
     slots = RequestSlots(MAX_REQS)
     slot_ids = torch.tensor(slots.lookup(req_ids, set(req_ids)), dtype=torch.int64)  # as the proposer files them
     batch_trees = sc.file_trees(slot_ids)
     # V1's rows: each request schedules its root then the drafts fed, contiguously; logits on all of them.
-    nd = np.array([fed for _, _, fed in REQUESTS], dtype=np.int32)
+    nd = np.array([fed for _, _, fed in sc.requests], dtype=np.int32)
     cu_tokens = np.cumsum(nd + 1)
     num_tokens = int(cu_tokens[-1])
     input_ids = torch.zeros(MAX_TOKENS, dtype=torch.int32)
     positions = torch.zeros(MAX_TOKENS, dtype=torch.int64)
-    for r, (_, s, fed) in enumerate(REQUESTS):
+    for r, (_, s, fed) in enumerate(sc.requests):
         start = int(cu_tokens[r]) - fed - 1
         input_ids[start : start + fed + 1] = batch_trees.token_ids[r, : fed + 1].to(torch.int32)
         positions[start : start + fed + 1] = torch.arange(s, s + fed + 1)
@@ -216,7 +232,7 @@ def test_v1_adapter_commits_the_reference_step(seed):
         input_batch=SimpleNamespace(req_ids=req_ids, block_table=[SimpleNamespace(
             get_device_tensor=lambda n: sc.block_table[:n])]),
         requests=set(req_ids), input_ids=SimpleNamespace(gpu=input_ids), positions=positions,
-        seq_lens=torch.tensor([s + fed + 1 for _, s, fed in REQUESTS], dtype=torch.int32), uses_mrope=False,
+        seq_lens=torch.tensor([s + fed + 1 for _, s, fed in sc.requests], dtype=torch.int32), uses_mrope=False,
     )
     metadata = SimpleNamespace(cu_num_sampled_tokens=torch.from_numpy(cu_tokens.astype(np.int32)),
                                logits_indices=torch.arange(num_tokens, dtype=torch.int32))

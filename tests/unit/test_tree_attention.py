@@ -382,7 +382,7 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     assert forward(metadata).eq(7.0).all() and len(calls) == 1  # not a target layer: vLLM's
     impl.tree_inputs = inputs
     assert forward(None).eq(7.0).all() and len(calls) == 2  # profiling run: vLLM's
-    inputs.step = object()  # a verify step in flight
+    inputs.step = SimpleNamespace(chain=False)  # a verify step in flight
     assert_close(forward(metadata), reference, torch.float32)  # a full verify batch: the tree kernel, every row
     assert len(calls) == 2
     from vllm_ddtree.attention import triton_tree
@@ -406,7 +406,7 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     assert forward(metadata).eq(7.0).all() and len(calls) == 4 and len(kernel_calls) == 2
     assert forward(other_width).eq(7.0).all() and len(calls) == 5 and len(kernel_calls) == 2
     tree_rows[1] = 1
-    inputs.step = object()
+    inputs.step = SimpleNamespace(chain=False)
     mixed = forward(other_width)
     assert len(calls) == 6 and len(kernel_calls) == 3
     assert mixed[:8].eq(7.0).all()  # the causal request keeps vLLM's output
@@ -414,6 +414,10 @@ def test_gpu_backends_route_only_tree_rows_through_the_tree_kernel(monkeypatch, 
     # Tree rows only: the tile shape follows the tree's width (1 + B), not the batch's longest query.
     assert [k["tree_rows_only"] for k in kernel_calls] == [False, True, True]
     assert [k["max_query_len"] for k in kernel_calls[1:]] == [c.bits.shape[1]] * 2
+    # A chain step (the chain fallback, every row causal, its width no verify width): vLLM's kernel only.
+    tree_rows[1] = -1
+    inputs.step = SimpleNamespace(chain=True)
+    assert forward(other_width).eq(7.0).all() and len(calls) == 7 and len(kernel_calls) == 3
 
 
 def prefix_attention(c: Case, empty_lse: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -501,7 +505,7 @@ def test_flash_backend_attends_the_prefix_on_flash_attention(monkeypatch):
     impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = c.hq, c.hkv, c.d, c.scale
     impl.attn_type, impl.vllm_flash_attn_version = backend.AttentionType.DECODER, 3
     impl.tree_inputs = TreeAttentionInputs(c.bits, c.tree_rows, frozenset({8}))
-    impl.tree_inputs.step = object()  # a verify step in flight
+    impl.tree_inputs.step = SimpleNamespace(chain=False)  # a verify step in flight
     fa_calls, kernel_calls, schedules = [], [], []
 
     def fake(**kwargs):

@@ -10,7 +10,8 @@ Hopper); only the target's layers (``prepare_target_layers``) ever leave vLLM's 
   a prefill batch of the same query length is vLLM's);
 - any other forward (prefill, plain decode, mixed batches, which vLLM runs eagerly or between piecewise graphs) runs
   vLLM's kernel on every row; when a verify step is in flight, the tree kernel then recomputes only the rows of
-  requests that verify a tree. The prefill of a ddtree engine is no-spec's.
+  requests that verify a tree. The prefill of a ddtree engine is no-spec's, and so is a chain step's attention
+  (the chain fallback, ``verify_core``: causal, its width is not a verify width).
 
 On FLASH_ATTN with FlashAttention 3 a full verify batch splits like vLLM's cascade attention: FlashAttention
 attends every query to its request's committed prefix (non-causal, returning the log-sum-exp), and the tree kernel
@@ -126,7 +127,7 @@ class TreeRowsMixin:
             self._tree_attention(query, kv_cache, attn_metadata, torch.empty_like(output), inputs,
                                  tree_rows_only=False)
             self._full_compiled = True
-        if inputs.step is not None or not self._rows_only_compiled:
+        if (inputs.step is not None and not inputs.step.chain) or not self._rows_only_compiled:
             # Without a step in flight every tree row is -1 and the kernel writes nothing: the first such call (vLLM's
             # warm-up passes) only compiles the tree-rows variant, which mid-serving JIT'd otherwise (H200,
             # 2026-12-01: vLLM's JIT monitor flagged _tree_attn_kernel at the first mixed batch).
@@ -256,7 +257,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         q = query.view(query.shape[0], self.num_heads, self.head_size)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         root_rows = step.prepared.root_rows.tolist()  # the CPU engine: host tensors, nothing waits
-        for r in _tree_requests(step):
+        for r in _tree_requests(inputs, step.num_reqs):
             row0, q_len = root_rows[r], int(step.num_drafts_cpu[r]) + 1
             tree_attention_torch(
                 q[row0 : row0 + q_len],
@@ -272,9 +273,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
 
-def _tree_requests(step) -> list[int]:
-    """Batch rows that verify a tree (CPU engine: the flags are host memory)."""
-    return [r for r, flag in enumerate(step.prepared.has_tree.tolist()) if flag]
+def _tree_requests(inputs, num_reqs: int) -> list[int]:
+    """Batch rows that verify a tree, ``tree_rows >= 0`` (CPU engine: host memory; a chain step has none)."""
+    return [r for r, row in enumerate(inputs.tree_rows[:num_reqs].tolist()) if row >= 0]
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

@@ -29,7 +29,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.config import describe_runner
+from vllm_ddtree.config import chain_fallback, describe_runner
 from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_tensor_parallel_graphs, warn_if_trees_outgrow_graphs
 from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
 from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
@@ -59,10 +59,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Query offset 0 of each request is the anchor: the bonus token, i.e. the tree's root.
         self._anchor_idx = torch.arange(self.max_num_reqs, dtype=torch.int64, device=device) * self.num_query_per_req
         self.batch_trees = TreeBatch.allocate(self.max_num_reqs, self.tree_budget, device)  # by batch row
+        chain_depth = self.tree_depth if chain_fallback(spec) else 0
+        # The chain fallback's: each batch row's DFlash chain, filed beside its tree.
+        self.batch_chains = (torch.zeros(self.max_num_reqs, chain_depth, dtype=torch.int64, device=device)
+                             if chain_depth else None)
         self.synthetic = synthetic_acceptance(spec, device)  # benchmark mode, else None
         self.core = TreeVerifyCore(
-            TreeHandover(self.max_num_reqs, self.tree_budget, device), self.tree_depth, self.max_num_reqs,
-            self.max_num_tokens, device, cuda_graphs=graphs_enabled(vllm_config, device),
+            TreeHandover(self.max_num_reqs, self.tree_budget, device, chain_depth), self.tree_depth,
+            self.max_num_reqs, self.max_num_tokens, device, cuda_graphs=graphs_enabled(vllm_config, device),
             verify_widths=verify_widths(spec), synthetic=self.synthetic,
         )
         # Runs in the runner's __init__, before the target model is built: its layers get the tree backends.
@@ -153,7 +157,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         logits = logits.view(num_reqs, self.tree_depth, -1)
         if self.synthetic is not None:
             self.synthetic.confident_drafts(logits)
-        build_tree(logits, self.tree_budget, self.batch_trees, roots)
+        build_tree(logits, self.tree_budget, self.batch_trees, roots, chain_out=self.batch_chains)
         self.draft_tokens[:num_reqs] = self.batch_trees.token_ids[:num_reqs, 1:]
 
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, *args,
@@ -175,7 +179,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         draft_tokens = super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                                        aux_hidden_states, *args, dummy_run=dummy_run, **kwargs)
         if not dummy_run:  # dummy batches' slots 0..R-1 may belong to live requests
-            core.handover.file(input_batch.idx_mapping, self.batch_trees, input_batch.num_reqs)
+            core.handover.file(input_batch.idx_mapping, self.batch_trees, input_batch.num_reqs, self.batch_chains)
         if step is not None:
             core.timer.mark("built")
         return draft_tokens

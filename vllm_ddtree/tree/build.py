@@ -229,7 +229,7 @@ def triton_beam(budget: int, device: torch.device) -> bool:
 
 def build_tree(
     draft_logits: torch.Tensor, budget: int, out: TreeBatch, root_token_ids: torch.Tensor,
-    use_triton: bool | None = None, triton_sort: bool | None = None,
+    use_triton: bool | None = None, triton_sort: bool | None = None, chain_out: torch.Tensor | None = None,
 ) -> None:
     """Fill ``out[:R]`` with the DDTree of each row of draft logits [R, L, V] under a budget of B nodes.
 
@@ -239,9 +239,13 @@ def build_tree(
     CUDA builds of at most ``TRITON_BEAM_MAX_BUDGET`` nodes take it and the rest the PyTorch beam (``triton_beam``);
     the CPU engine always the PyTorch one (Triton there is the interpreter). ``triton_sort``: the PyTorch beam's
     sorts in one Triton launch each (sort_triton.py; by default on CUDA), the same order as ``torch.sort``'s.
+    ``chain_out [>= R, L]``, if given, gets each depth's most likely token (rank 0 of the top-k: the argmax, the
+    lowest id among equals), i.e. the DFlash chain, which a chain step verifies instead of the tree.
     """
     k = min(budget, draft_logits.shape[-1])
     top_logp, top_ids = per_depth_topk(draft_logits, k)
+    if chain_out is not None:
+        chain_out[: top_ids.shape[0]].copy_(top_ids[:, :, 0])
     build_tree_from_topk(top_logp, top_ids, budget, out, root_token_ids, use_triton, triton_sort)
 
 

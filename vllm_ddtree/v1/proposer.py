@@ -22,7 +22,7 @@ from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.config import describe_runner
+from vllm_ddtree.config import chain_fallback, describe_runner
 from vllm_ddtree.cuda_graphs import (
     DrafterCaptureOnce,
     GraphedStep,
@@ -56,12 +56,16 @@ class DDTreeProposer(DFlashProposer):
         graphs = graphs_enabled(vllm_config, device)
         self.synthetic = synthetic_acceptance(spec, device)  # benchmark mode, else None
         self.slots = RequestSlots(max_reqs)  # V1's batch rows move; trees are filed by request slot
+        chain_depth = self.tree_depth if chain_fallback(spec) else 0
         self.core = TreeVerifyCore(
-            TreeHandover(max_reqs, self.tree_budget, device), self.tree_depth, max_reqs,
+            TreeHandover(max_reqs, self.tree_budget, device, chain_depth), self.tree_depth, max_reqs,
             vllm_config.scheduler_config.max_num_batched_tokens, device, cuda_graphs=graphs,
             verify_widths=verify_widths(spec), synthetic=self.synthetic,
         )
         self.draft_trees = TreeBatch.allocate(max_reqs, self.tree_budget, device)  # this draft step's, batch order
+        # The chain fallback's: each batch row's DFlash chain, filed beside its tree.
+        self.draft_chains = (torch.zeros(max_reqs, chain_depth, dtype=torch.int64, device=device)
+                             if chain_depth else None)
         self._slot_ids = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         # The build replays from a CUDA graph for small batches; its inputs are copied into these static buffers.
         self._build_graphs = GraphedStep(self._build_rows, largest_bucket(max_reqs), device, enabled=graphs)
@@ -143,7 +147,7 @@ class DDTreeProposer(DFlashProposer):
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
         slots = self.slots.lookup(req_ids, self.runner.requests)
         self._slot_ids[:num_reqs].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
-        core.handover.file(self._slot_ids, self.draft_trees, num_reqs)
+        core.handover.file(self._slot_ids, self.draft_trees, num_reqs, self.draft_chains)
         # num_speculative_tokens is this step's budget: B, or what vLLM's dynamic speculative decoding schedule picks
         # for the batch size (the adaptive budget). Best-first order makes the first b nodes the tree of budget b.
         return self.draft_trees.token_ids[:num_reqs, 1 : 1 + min(num_speculative_tokens, self.tree_budget)]
@@ -167,11 +171,12 @@ class DDTreeProposer(DFlashProposer):
             self._graph_roots[:num_reqs].copy_(self._root_token_ids)
             self._build_graphs(num_reqs)
         else:
-            build_tree(logits, self.tree_budget, self.draft_trees, self._root_token_ids)
+            build_tree(logits, self.tree_budget, self.draft_trees, self._root_token_ids, chain_out=self.draft_chains)
         self.core.timer.mark("built")
         return self._placeholder_drafts[: num_reqs * self.tree_depth], None
 
     def _build_rows(self, rows: int) -> None:
         """The graphed build: rows [:rows] of the static logits/roots buffers into ``draft_trees``."""
-        build_tree(self._graph_logits[:rows], self.tree_budget, self.draft_trees, self._graph_roots[:rows])
+        build_tree(self._graph_logits[:rows], self.tree_budget, self.draft_trees, self._graph_roots[:rows],
+                   chain_out=self.draft_chains)
 

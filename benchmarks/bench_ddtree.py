@@ -357,6 +357,10 @@ def build_runs(args: argparse.Namespace) -> list[dict]:
         if args.tree_budgets:
             common += ["--tree-budgets", *map(str, args.tree_budgets)]
             tree.append("ddtree cost-aware")
+        for flag, name in (("--ddtree-default", "ddtree default"), ("--chain-fallback", "ddtree chain fallback")):
+            if getattr(args, flag[2:].replace("-", "_")):
+                common.append(flag)
+                tree.append(name)
         same_backend = ["--same-backend-baselines"] if args.same_backend_baselines else []
         batches = [str(b) for b in args.batch_sizes]
         if prefill:  # one request at a time; the step breakdown is the decode step's, not wanted here
@@ -455,6 +459,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--async-ab", action="store_true", help="also every budget with async scheduling")
     parser.add_argument("--tree-budgets", type=int, nargs="+", help="also 'ddtree cost-aware' (tree_budgets: each "
                         "step's budget among these from live acceptance and step time), e.g. 16 32 64")
+    parser.add_argument("--ddtree-default", action="store_true", help="also 'ddtree default' (no budget given: "
+                        "ddtree chooses, the cost-aware budget on Model Runner V2)")
+    parser.add_argument("--chain-fallback", action="store_true", help="also 'ddtree chain fallback' (the cost-aware "
+                        "budget over --tree-budgets, default 16 32 64, and the DFlash chain)")
     parser.add_argument("--capture-sizes", help="bench_e2e's --capture-sizes (its default 'auto': vLLM's list, the "
                         "largest size raised to cover every verify step)")
     parser.add_argument("--same-backend-baselines", action="store_true", help="also no-spec and the chain on DDTree's "

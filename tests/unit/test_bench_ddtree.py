@@ -147,6 +147,9 @@ def test_runs_time_ddtree_per_batch_and_baselines_once(tmp_path):
     assert cost_aware[cost_aware.index("--configs") + 1] == "ddtree B=16,ddtree B=64,ddtree cost-aware"
     assert cost_aware[cost_aware.index("--tree-budgets") + 1: cost_aware.index("--tree-budgets") + 4] == [
         "16", "32", "64"]
+    fallback = runs("--ddtree-default", "--chain-fallback")[1]["argv"]
+    assert {"--ddtree-default", "--chain-fallback"} <= set(fallback)
+    assert fallback[fallback.index("--configs") + 1] == "ddtree B=16,ddtree B=64,ddtree default,ddtree chain fallback"
 
 
 def test_paper_tau_and_prefill_workloads_run_what_they_say(tmp_path):

@@ -293,7 +293,7 @@ def prepare_rows_torch(
     tree_rows.fill_(-1)
     if chain_step:
         fill_chains(chains[slots], num_drafts, verify)
-        fed_drafts = has_tree[row_request] & (node >= 1)
+        fed_drafts = has_tree[row_request] & (node >= 1) & (node <= chains.shape[1])
         rows.input_ids[index] = torch.where(fed_drafts, verify.token_ids[row_request, node],
                                             rows.input_ids[index].to(torch.int64)).to(rows.input_ids.dtype)
     else:

@@ -75,3 +75,68 @@ def test_beam_sort(rows: int, cols: int, keep: int) -> None:
     got_values, got_order = sort_desc_triton(scores.cuda(), keep)
     assert torch.equal(got_order.cpu(), want_order[:, :keep])
     assert torch.equal(got_values.cpu().view(torch.int32), scores.gather(1, want_order[:, :keep]).view(torch.int32))
+
+
+@pytest.mark.parametrize("chain_step", [False, True], ids=["trees", "chains"])
+def test_prepare_rows(chain_step: bool) -> None:
+    check_prepare_rows("cuda", chain_step)
+
+
+def check_prepare_rows(device: str, chain_step: bool) -> None:
+    """The verify step's prepare, compiled, against its PyTorch reference on every output: four requests with fresh
+    trees (one fed fewer drafts, one fed a draft that is not its tree's: refused), in batch order != slot order; a
+    chain step (the chain fallback) swaps each fresh request's chain into its fed drafts."""
+    from vllm_ddtree.tree.build import build_tree
+    from vllm_ddtree.tree.layout import TreeBatch
+    from vllm_ddtree.tree_handover import TreeHandover
+    from vllm_ddtree.verify_rows import TREE_FIELDS, RowBuffers, RowInputs, prepare_rows_torch, prepare_rows_triton
+
+    budget, depth, vocab, max_reqs = 16, 15, 2000, 8
+    gen = torch.Generator(device=device).manual_seed(7)
+    slots = torch.tensor([5, 2, 7, 0], device=device)
+    handover = TreeHandover(max_reqs, budget, torch.device(device), depth)
+    trees, chains = TreeBatch.allocate(4, budget, device), torch.zeros(4, depth, dtype=torch.int64, device=device)
+    roots = torch.randint(0, vocab, (4,), generator=gen, device=device)
+    build_tree(torch.randn(4, depth, vocab, generator=gen, device=device) * 5, budget, trees, roots, chain_out=chains)
+    handover.file(slots, trees, 4, chains)
+    widest = depth if chain_step else budget
+    fed = [widest, widest - 6, widest, widest]
+    cu = torch.tensor([0, *torch.tensor(fed).add(1).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    num_tokens = int(cu[-1])
+    input_ids = torch.cat([trees.token_ids[r, : n + 1] for r, n in enumerate(fed)]).to(torch.int32)
+    input_ids[int(cu[2]) + 3] += 1  # request 2 was fed a draft that is not its tree's
+    positions = torch.cat([torch.arange(n + 1, device=device) + 40 * r for r, n in enumerate(fed)])
+    outputs = []
+    for prepare in (prepare_rows_triton, prepare_rows_torch):
+        rows = RowInputs(slots, cu, torch.arange(num_tokens, device=device), input_ids.clone(), positions.clone(),
+                         None, 4, num_tokens)
+        stamp, verify = handover.stamp.clone(), TreeBatch.allocate(max_reqs, budget, device)
+        tree_rows = torch.full((max_reqs,), 3, dtype=torch.int32, device=device)
+        prepared = prepare(rows, handover.trees, stamp, handover.epoch, verify, tree_rows,
+                           RowBuffers(max_reqs, 64, torch.device(device)), handover.chains, chain_step)
+        outputs.append((prepared, rows, stamp, verify, tree_rows))
+    (kernel, k_rows, k_stamp, k_verify, k_tree_rows), (ref, r_rows, r_stamp, r_verify, r_tree_rows) = outputs
+    assert kernel.has_tree.tolist() == ref.has_tree.tolist() == [True, True, False, True]
+    for name in ("shift", "row_request", "row_node", "root_rows", "row_starts", "refused_fresh"):
+        assert torch.equal(getattr(kernel, name), getattr(ref, name)), name
+    for name in (*TREE_FIELDS, "num_nodes"):
+        assert torch.equal(getattr(k_verify, name)[:4], getattr(r_verify, name)[:4]), name
+    assert torch.equal(k_rows.input_ids, r_rows.input_ids) and torch.equal(k_rows.positions, r_rows.positions)
+    assert torch.equal(k_stamp, r_stamp) and torch.equal(k_tree_rows, r_tree_rows)
+    if chain_step:
+        assert k_tree_rows.eq(-1).all() and torch.equal(k_rows.positions, positions)
+        assert k_rows.input_ids[1 : 1 + depth].tolist() == chains[0].tolist()
+        bits = ancestor_words(depth, budget, device)
+        assert torch.equal(k_verify.ancestor_bits[0], bits)
+    else:
+        assert k_tree_rows.tolist() == [0, 1, -1, 3, -1, -1, -1, -1] and torch.equal(k_rows.input_ids, input_ids)
+
+
+def ancestor_words(depth: int, budget: int, device: str) -> torch.Tensor:
+    """A chain's ancestor bits [B + 1, W]: node i holds bits 0..i, nodes past the chain none."""
+    from vllm_ddtree.tree.build import ancestor_bits_from_parents
+
+    parents = torch.tensor([[-1, *range(depth)] + [-1] * (budget - depth)], device=device)
+    bits = ancestor_bits_from_parents(parents, depth)[0]
+    bits[depth + 1 :] = 0
+    return bits

@@ -28,7 +28,7 @@ from vllm_ddtree.verify_core import TreeVerifyCore
 VOCAB, DIM, BUDGET, DEPTH, BLOCK, MAX_BLOCKS, MAX_REQS, MAX_TOKENS = 24, 16, 8, 4, 4, 8, 6, 96
 # (request slot, prefix length s, drafts fed): one fed fewer drafts than the budget (a prefix of its tree).
 REQUESTS = [(4, 9, BUDGET), (1, 5, 5), (3, 13, BUDGET)]
-# A chain step (the chain fallback): the widest request was fed ``DEPTH`` drafts, one fewer.
+# A chain step (the chain fallback): the widest requests were fed ``DEPTH`` drafts, one ``DEPTH - 1``.
 CHAIN_REQUESTS = [(4, 9, DEPTH), (1, 5, DEPTH - 1), (3, 13, DEPTH)]
 DEVICE = torch.device("cpu")
 

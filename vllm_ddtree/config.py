@@ -194,27 +194,19 @@ def _expand_tree_budgets(spec: Any) -> None:
         )
     spec.num_speculative_tokens = largest
     _schedule_budget_choices(spec)
-    _check_chain_depth(spec)  # (the default budgets are expanded once tree_depth is known)
 
 
 def _schedule_budget_choices(spec: Any) -> None:
     """One entry of vLLM's dynamic speculative decoding schedule per choice (the batch ranges are placeholders: the
-    cost-aware scheduler's lookup replaces the schedule's); also once ``tree_depth`` is known (the chain's)."""
-    ordered = tree_budget_choices(spec)[::-1]
-    spec.num_speculative_tokens_per_batch_size = [[i + 1, i + 1, b] for i, b in enumerate(ordered)]
-
-
-def _check_chain_depth(spec: Any) -> None:
-    """With the chain fallback, once ``tree_depth`` is known: a step of ``tree_depth`` drafts is the chain's, so no
-    tree budget may equal it; the schedule gets the chain's entry."""
-    if not chain_fallback(spec):
-        return
-    if spec.tree_depth in spec.tree_budgets:
+    cost-aware scheduler's lookup replaces the schedule's). Run again once ``tree_depth`` is known, which gives the
+    chain fallback its entry; a step of ``tree_depth`` drafts is then the chain's, so no tree budget may equal it."""
+    if chain_fallback(spec) and spec.tree_depth in spec.tree_budgets:
         raise DDTreeConfigError(
             f'ddtree tree_budgets {spec.tree_budgets}: "{CHAIN}" verifies tree_depth = {spec.tree_depth} drafts, '
             f"and so would the tree budget {spec.tree_depth}; drop that budget or set another tree_depth"
         )
-    _schedule_budget_choices(spec)
+    ordered = tree_budget_choices(spec)[::-1]
+    spec.num_speculative_tokens_per_batch_size = [[i + 1, i + 1, b] for i, b in enumerate(ordered)]
 
 
 def settle_budget_policy(vllm_config: Any) -> None:
@@ -302,7 +294,8 @@ def validate_ddtree_drafter(spec: Any) -> None:
             f"of {budget} nodes is at most {budget} deep; use tree_depth <= {budget} or drop it"
         )
     _check_synthetic_rates(spec)
-    _check_chain_depth(spec)
+    if chain_fallback(spec):
+        _schedule_budget_choices(spec)
     spec.num_speculative_tokens = budget
 
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.tree.build import ancestor_bits_from_parents
 from vllm_ddtree.tree.layout import TreeBatch
 
 TREE_FIELDS = ("token_ids", "parents", "depths", "ancestor_bits")
@@ -127,16 +128,8 @@ def fill_chains(chains: torch.Tensor, num_drafts: torch.Tensor, verify: TreeBatc
     verify.token_ids[:num_reqs] = torch.where(in_chain, padded, 0)
     verify.parents[:num_reqs] = torch.where(in_chain, node - 1, -1).to(verify.parents.dtype)
     verify.depths[:num_reqs] = torch.where(in_chain, node, -1).to(verify.depths.dtype)
-    bit = torch.arange(verify.ancestor_bits.shape[2] * 32, device=device)
-    ancestors = (bit[None, :] <= torch.arange(n, device=device)[:, None])[None] & in_chain[:, :, None]
-    verify.ancestor_bits[:num_reqs] = pack_bits(ancestors)
-
-
-def pack_bits(flags: torch.Tensor) -> torch.Tensor:
-    """[..., 32 W] bool -> [..., W] int32 words, bit b of word w = flags[..., 32 w + b] (bit 31: negative)."""
-    words = flags.view(*flags.shape[:-1], -1, 32).to(torch.int64)
-    value = (words << torch.arange(32, device=flags.device)).sum(-1)
-    return torch.where(value >= 1 << 31, value - (1 << 32), value).to(torch.int32)
+    bits = ancestor_bits_from_parents(verify.parents[:num_reqs], max(depth, 1))
+    verify.ancestor_bits[:num_reqs] = torch.where(in_chain[:, :, None], bits, 0)
 
 
 # ---------------------------------------------------------------------------------------------- prepare

@@ -25,6 +25,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def _cpu_engine_without_amx() -> None:
+    """Run vLLM's CPU engine as on a CPU without AMX, whatever this one has, so the tests see one code path: on a
+    CPU that reports AMX tiles vLLM 0.26.0 runs GatedDeltaNet on its AMX path, which ddtree refuses on hybrid targets
+    (``vllm_ddtree.config._cpu_engine_uses_amx_gdn``; see tests/engine/conftest.py)."""
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
 RUNNER = Path(__file__)
 
 PROMPTS = [
@@ -240,4 +249,5 @@ def _in_process_scheduler(llm):
 
 
 if __name__ == "__main__":
+    _cpu_engine_without_amx()
     main()

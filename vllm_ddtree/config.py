@@ -261,21 +261,6 @@ def _check_hybrid_target(target: Any) -> None:
             f"ddtree supports hybrid targets only with GatedDeltaNet layers (Qwen3-Next, Qwen3.5/3.6); "
             f"{target.model} has other recurrent layers, whose state follows a chain of tokens, not a tree: {chain}"
         )
-    if _cpu_engine_uses_amx_gdn():
-        raise DDTreeConfigError(
-            f"ddtree on a GatedDeltaNet hybrid ({target.model}) in vLLM's CPU engine is checked lossless only on the "
-            f"path CPUs without AMX take; this CPU has AMX tiles, and on vLLM's AMX GatedDeltaNet path the tree "
-            f"nodes' logits left the chain's (2026-12-05): serve this target with ddtree on a GPU, or {chain}"
-        )
-
-
-def _cpu_engine_uses_amx_gdn() -> bool:
-    """vLLM 0.26.0's CPU platform runs GatedDeltaNet layers on its AMX path (SD conv-state layout, AMX prefill)
-    wherever ``torch.cpu._is_amx_tile_supported()``; ddtree's CPU tree verification is not lossless there."""
-    import torch
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()
 
 
 def validate_ddtree_drafter(spec: Any) -> None:

@@ -26,9 +26,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _cpu_engine_without_amx() -> None:
-    """Run vLLM's CPU engine as on a CPU without AMX, whatever this one has, so the tests see one code path: on a
-    CPU that reports AMX tiles vLLM 0.26.0 runs GatedDeltaNet on its AMX path, which ddtree refuses on hybrid targets
-    (``vllm_ddtree.config._cpu_engine_uses_amx_gdn``; see tests/engine/conftest.py)."""
+    """Run vLLM's CPU engine as on a CPU without AMX, whatever this one has, so the tests see one code path on
+    every CPU (tests/engine/conftest.py says what AMX changes)."""
     import torch
 
     torch.cpu._is_amx_tile_supported = lambda: False

@@ -17,12 +17,13 @@ import torch
 from ddtree_testkit import smollm2, tiny_targets
 from ddtree_testkit.random_dflash import random_dflash_dir
 
-# The engines run as on a CPU without AMX, whatever this one has (no test may depend on the CPU model). On a CPU
-# that reports AMX tiles, vLLM 0.26.0's CPU engine takes its AMX GatedDeltaNet path, which ddtree refuses
-# (config._cpu_engine_uses_amx_gdn): the engine processes report no AMX (ddtree_testkit.engine_run) and so does this
-# one, where configs are built. oneDNN is capped below AMX for every process the tests start: vLLM's own GDN prefill
-# kernel (chunk_gated_delta_rule_cpu, oneDNN brgemm) died with SIGILL on a sandboxed Sapphire Rapids CI box
-# (2026-12-05, no-spec too) and ran with the cap. Caps: CPUs without AMX run as before.
+# The engines run as on a CPU without AMX, whatever this one has (no test may depend on the CPU model): the engine
+# processes report no AMX tiles (ddtree_testkit.engine_run), and so does this one, where configs are built; on a CPU
+# with AMX, vLLM 0.26.0 would take other paths (AMX CPU attention for bf16, whose cache layout ddtree's tree attention
+# avoids: attention/backend.py vector_cache_isa; an AMX GatedDeltaNet path). oneDNN is capped below AMX for every
+# process the tests start: vLLM's own GDN prefill kernel (chunk_gated_delta_rule_cpu, oneDNN brgemm) died with
+# SIGILL on a sandboxed Sapphire Rapids CI box (2026-12-05, no-spec too) and ran with the cap. CPUs without AMX run
+# as before.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 torch.cpu._is_amx_tile_supported = lambda: False
 

@@ -311,6 +311,23 @@ def test_cpu_attn_layout(isa, bs):
     assert_close(out, c.dense_reference(), torch.float32)
 
 
+def test_cpu_tree_backend_keeps_the_vector_cache_layout(monkeypatch):
+    """Where vLLM picks AMX (bf16 on a CPU with AMX tiles), the ddtree engine's builder and layers take the vector
+    ISA, whose cache layout ``cpu_attn_kv_views`` reads (AMX packs K otherwise); other picks stand."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from vllm_ddtree.attention import backend
+
+    def picks_amx(self, *args, **kwargs):
+        self.isa = "amx"
+
+    for cls in (cpu_attn.CPUAttentionMetadataBuilder, cpu_attn.CPUAttentionBackendImpl):
+        monkeypatch.setattr(cls, "__init__", picks_amx)
+    tree = backend.TreeCPUAttentionBackend
+    assert [cls().isa for cls in (tree.get_builder_cls(), tree.get_impl_cls())] == ["vec", "vec"]
+    assert [backend.vector_cache_isa(isa) for isa in ("vec", "vec16", "neon")] == ["vec", "vec16", "neon"]
+
+
 def test_shared_workspace_is_fixed_and_lowers_splits(monkeypatch):
     """Without a caller workspace every call uses one fixed allocation (CUDA graphs keep the addresses they saw);
     a split factor that would not fit it is lowered, and the result stays exact."""

@@ -31,7 +31,11 @@ import os
 import torch
 import vllm.envs as vllm_envs
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
@@ -242,10 +246,28 @@ class TreeTritonAttentionBackend(TritonAttentionBackend):
         return TreeTritonAttentionImpl
 
 
+def vector_cache_isa(isa: str) -> str:
+    """The CPU attention ISA of a ddtree engine: vLLM's pick, but the vector kernels where it picks AMX (bf16 on a
+    CPU with AMX tiles). ``cpu_attn_kv_views`` reads the VEC cache layout, and AMX's packs K otherwise: on a Sapphire
+    Rapids the tree rows of the tiny Qwen3.5 (bf16) left their references by 3.16 against a tolerance of 1.69
+    (2026-12-05). The ISA sets the cache layout, so the builder and every layer take the same one."""
+    return "vec" if isa == "amx" else isa
+
+
+class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.isa = vector_cache_isa(self.isa)
+
+
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, then the rows of requests that verify a tree again with the ancestor mask (PyTorch)."""
 
     tree_inputs = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.isa = vector_cache_isa(self.isa)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -282,3 +304,7 @@ class TreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return TreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return TreeCPUAttentionMetadataBuilder

@@ -37,7 +37,7 @@ from ddtree_testkit.shapes import shaped_target_dir
 from ddtree_testkit.smollm2 import smollm2_dir, trained_smollm2_drafter_dir
 from vllm_ddtree import step_timing
 from vllm_ddtree.attention.backend import TREE_KERNEL_PREFIX_ENV
-from vllm_ddtree.config import BENCHMARK_ENV, DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS
+from vllm_ddtree.config import BENCHMARK_ENV, CHAIN, DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
 
@@ -257,7 +257,8 @@ def main() -> None:
                         "adaptive budget, as vLLM's num_speculative_tokens_per_batch_size, e.g. "
                         "'[[1, 4, 64], [5, 16, 32], [17, 256, 16]]' (bench_ddtree.py prints one from its measurements)")
     parser.add_argument("--ddtree-default", action="store_true", help="also run 'ddtree default': no budget given, "
-                        "so ddtree chooses (the cost-aware budget on Model Runner V2, B=64 on the V1 runner)")
+                        "so ddtree chooses (the cost-aware budget with the chain fallback on Model Runner V2, B=64 "
+                        "on the V1 runner)")
     parser.add_argument("--tree-budgets", type=int, nargs="+", default=None, help="also run 'ddtree cost-aware': "
                         "ddtree's tree_budgets, each step's budget among these from live acceptance and step time "
                         "(vllm_ddtree/budget_policy.py), e.g. 16 32 64")
@@ -308,6 +309,8 @@ def main() -> None:
                         "outputs of correctness runs: on an H200 (2026-12-02) steps timed this way came out slower and "
                         "noisier than with engines started in turn, for reasons not yet known")
     parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every worker's whole log next to --out "
+                        "(by default only a failed worker's is kept)")
     parser.add_argument("--profile-dir", default=None, help="after each timed pass, profile one more pass per batch "
                         "size (torch profiler, engine in-process) and write per-kernel device time there "
                         "(benchmarks/kernel_profile.py compares the configurations)")
@@ -341,7 +344,7 @@ def main() -> None:
     if args.max_num_batched_tokens and not batched_tokens_given:  # the CPU default: room for every verify step
         largest = max(args.budgets + [chain] + [entry[2] for entry in args.budget_schedule or []]
                       + (args.tree_budgets or [])
-                      + (list(DEFAULT_TREE_BUDGETS) if args.chain_fallback or args.ddtree_default else []))
+                      + ([DEFAULT_TREE_BUDGET] if args.chain_fallback or args.ddtree_default else []))
         args.max_num_batched_tokens = max(args.max_num_batched_tokens, max(args.batch_sizes) * (1 + largest))
     drafter_load = {"draft_load_config": {"load_format": "auto"}} if load_format == "dummy" else {}
     chain_spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain, **drafter_load}
@@ -366,7 +369,7 @@ def main() -> None:
                                               "num_speculative_tokens": max(args.tree_budgets), **drafter_load},
                         {}))
     if args.chain_fallback:
-        budgets = args.tree_budgets or list(DEFAULT_TREE_BUDGETS)
+        budgets = args.tree_budgets or [b for b in DEFAULT_TREE_BUDGETS if b != CHAIN]
         configs.append(("ddtree chain fallback", {"method": "ddtree", "model": drafter,
                                                   "tree_budgets": ["chain", *budgets],
                                                   "num_speculative_tokens": max(budgets), **drafter_load}, {}))
@@ -436,7 +439,7 @@ def main() -> None:
             timing_dir = tempfile.mkdtemp(prefix="ddtree_timing_")
             env = {**env, step_timing.TIMING_ENV: timing_dir}
         gdn_state = gdn_state_gib(target_config, spec, args.tensor_parallel_size, on_gpu) if base["hybrid"] else None
-        launched.append(_launch(name, worker_args, env, args.out, timing_dir, gdn_state))
+        launched.append(_launch(name, worker_args, env, args.out, timing_dir, gdn_state, args.keep_logs))
         if not args.concurrent_engines:
             _finish(launched.pop(), results, meta, args.out)
     for run in launched:
@@ -473,7 +476,7 @@ def largest_capture_size(spec: dict | None, batch_sizes: list[int]) -> int:
 
 
 def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir: str | None,
-            gdn_state_gib_per_request: float | None = None) -> dict:
+            gdn_state_gib_per_request: float | None = None, keep_log: bool = False) -> dict:
     """Start one configuration's worker. Its whole output (vLLM logs to stdout, tracebacks go to stderr) streams to
     a file, so a worker killed by a time limit still leaves it; it is kept next to the results when it fails."""
     if out:
@@ -494,7 +497,7 @@ def _launch(name: str, worker_args: dict, env: dict, out: str | None, timing_dir
             gone.touch()
         threading.Thread(target=mark_gone, daemon=True).start()
     return {"name": name, "proc": proc, "log": log, "log_path": log_path, "timing_dir": timing_dir,
-            "gdn_state_gib_per_request": gdn_state_gib_per_request}
+            "gdn_state_gib_per_request": gdn_state_gib_per_request, "keep_log": keep_log}
 
 
 def _finish(run: dict, results: dict, meta: dict, out: str | None) -> None:
@@ -505,7 +508,7 @@ def _finish(run: dict, results: dict, meta: dict, out: str | None) -> None:
     run["log"].close()
     output = run["log_path"].read_text()
     result = worker_result(output)
-    if not (out and returncode):
+    if not (out and (returncode or run["keep_log"])):
         run["log_path"].unlink()
     if result is None:
         print(f"{name}: FAILED\n{output[-4000:]}", file=sys.stderr)

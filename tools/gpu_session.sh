@@ -103,15 +103,15 @@ phase_acceptance() {
 
 
 phase_probe() {
-  # Bring-up of the default path before the long phases: SmolLM2 + the trained drafter, no-spec, ddtree with no
-  # budget (ddtree chooses: cost-aware on Model Runner V2) and the chain fallback (its chain steps' full graphs on
-  # vLLM's attention), bf16, CUDA graphs, batch 1 and 4, a few tokens; each engine's log is kept when it fails, and
-  # the table keeps ddtree's start-up line and budget choices.
+  # Bring-up of the default path before the long phases: SmolLM2 + the trained drafter, no-spec and ddtree with no
+  # budget (ddtree chooses: on Model Runner V2 the cost-aware budget with the chain fallback, whose chain steps run
+  # full graphs on vLLM's attention), bf16, CUDA graphs, batch 1 and 4, a few tokens; every engine's whole log is
+  # kept (--keep-logs), and the table keeps ddtree's start-up line and budget choices.
   local target drafter
   read -r target drafter < <(smollm2_pair)
   VLLM_DDTREE_CHECK_TREES=1 timeout "${PROBE_TIMEOUT:-360}" python3 benchmarks/bench_e2e.py --model "$target" \
-    --drafter "$drafter" --prompt-set heldout --num-prompts 4 --ddtree-default --chain-fallback --batch-sizes 1 4 \
-    --max-tokens 24 --configs "${PROBE_CONFIGS:-no-spec,ddtree default,ddtree chain fallback}" \
+    --drafter "$drafter" --prompt-set heldout --num-prompts 4 --ddtree-default --batch-sizes 1 4 \
+    --max-tokens 24 --keep-logs --configs "${PROBE_CONFIGS:-no-spec,ddtree default}" \
     --out "$RESULTS/probe.json" > "$RESULTS/probe.log" 2>&1
   echo "probe exit $?"; tail -8 "$RESULTS/probe.log"
   grep -h "ddtree runs on\|Traceback\|Error" "$RESULTS"/probe*.log | sort | uniq -c | head -20

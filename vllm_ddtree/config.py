@@ -35,14 +35,16 @@ import os
 from typing import Any
 
 DEFAULT_TREE_BUDGET = 64
-# The cost-aware budget's choices when the user gives no budget and the engine runs on Model Runner V2 (H200,
-# 2026-12-04, benchmarks/README.md: lossless in float32; 1.02x / 0.97x the chain at batch 1 / 8 on the small pair
-# where B=64 made 1.00x / 1.01x in the same call; with nothing accepted B=16's cost, where B=64's 520-token verify at
-# batch 8 costs 2.3x the chain's step). Not on the V1 runner: a budget schedule there costs full CUDA graphs and async
-# scheduling (``schedules_async_by_default``).
-DEFAULT_TREE_BUDGETS = (16, 32, DEFAULT_TREE_BUDGET)
 # In ``tree_budgets``: the chain fallback, a step that verifies the DFlash chain instead of a tree.
 CHAIN = "chain"
+# The cost-aware budget's choices when the user gives no budget and the engine runs on Model Runner V2. The tree
+# budgets since 2026-12-04 (H200: lossless in float32; 1.02x / 0.97x the chain at batch 1 / 8 on the small pair where
+# B=64 made 1.00x / 1.01x in the same call), the chain fallback since 2026-12-05 (H100, one lease, benchmarks/README.md:
+# lossless in float32; with nothing accepted on the Qwen3-8B shape 0.99x / 0.90x / 0.95x the chain at batch 1 / 8 / 32
+# where the tree budgets alone made 0.98x / 0.84x / 0.76x; on the small pair 1.35x / 1.64x where they made 1.09x /
+# 1.41x). Not on the V1 runner: a budget schedule there costs full CUDA graphs and async scheduling
+# (``schedules_async_by_default``).
+DEFAULT_TREE_BUDGETS = (CHAIN, 16, 32, DEFAULT_TREE_BUDGET)
 # vLLM's scheduler, runner buffers and the output contract are sized by num_speculative_tokens; 128 is vLLM's own
 # MAX_SPEC_LEN (v1/sample/rejection_sampler.py), which bounds what the rest of the V1 path has been exercised with.
 MAX_TREE_BUDGET = 128
@@ -218,7 +220,8 @@ def settle_budget_policy(vllm_config: Any) -> None:
     spec = vllm_config.speculative_config
     scheduler_config = vllm_config.scheduler_config
     if spec.tree_budget_is_default and scheduler_config.scheduler_cls is None and vllm_config.use_v2_model_runner:
-        spec.tree_budgets = list(DEFAULT_TREE_BUDGETS)
+        # A tree budget equal to tree_depth would verify as many drafts as a chain step: the chain takes that width.
+        spec.tree_budgets = [b for b in DEFAULT_TREE_BUDGETS if b != spec.tree_depth]
         _expand_tree_budgets(spec)
     if spec.tree_budgets is None:
         return

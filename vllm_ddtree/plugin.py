@@ -10,31 +10,16 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm_ddtree")
+from vllm_ddtree import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def register() -> None:
     from vllm.config.speculative import SpeculativeConfig
-
-    _log_through_vllms_handlers()
 
     if "tree_depth" not in getattr(SpeculativeConfig, "__dataclass_fields__", {}):
         logger.warning(
             "vllm-ddtree is installed but vLLM is not patched, so method 'ddtree' is unavailable; "
             "run `python tools/apply_patches.py apply` from the vllm-ddtree checkout."
         )
-
-
-def _log_through_vllms_handlers() -> None:
-    """vLLM configures only its own "vllm" logger (its handler and level, not propagated), so in a vLLM process
-    ddtree's INFO lines (which runner and budget at start-up, the cost-aware budget's choices at shutdown) reached
-    no handler and were never shown. Where the application has not configured logging (no root handler), the
-    "vllm_ddtree" logger gets vLLM's handlers and level; otherwise its records go to the application's handlers."""
-    ours, root = logging.getLogger("vllm_ddtree"), logging.getLogger()
-    if ours.handlers or root.handlers:
-        return
-    theirs = logging.getLogger("vllm")
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(theirs.level)

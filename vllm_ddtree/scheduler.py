@@ -10,16 +10,17 @@ the engine runs.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_ddtree import LOGGER_NAME
 from vllm_ddtree.budget_policy import CostAwareBudget
 from vllm_ddtree.config import chain_fallback, tree_budget_choices
 
-logger = init_logger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def verified_budget(scheduler_output: Any) -> tuple[int, bool]:

@@ -256,12 +256,9 @@ def test_the_cpu_engine_runs_ddtree_on_the_v1_runner(tiny_llama_dir, tiny_llama_
     assert config.scheduler_config.async_scheduling is False
 
 
-@pytest.mark.parametrize("v2_env, on_v2", [(None, True), ("0", False)])
-def test_ddtree_runs_on_model_runner_v2_on_a_gpu_platform(tiny_llama_dir, tiny_llama_dflash_dir, monkeypatch, v2_env,
-                                                           on_v2):
-    """On a platform where Model Runner V2 can run (faked here: CUDA and Triton), ddtree uses it with nothing set;
-    VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's own switch) still selects the V1 runner. (Async scheduling by default on
-    either: test_mrv2_ddtree; the faked platform's CPU engine turns it off here.)"""
+@pytest.fixture
+def gpu_platform(monkeypatch):
+    """A platform where Model Runner V2 can run, faked: CUDA and Triton."""
     import inspect
 
     import vllm.config.vllm as vllm_config_module
@@ -269,15 +266,35 @@ def test_ddtree_runs_on_model_runner_v2_on_a_gpu_platform(tiny_llama_dir, tiny_l
 
     if "mrv2_gaps" not in inspect.getsource(vllm_config_module.VllmConfig._get_v2_model_runner_unsupported_features):
         pytest.skip("the installed vLLM carries another branch's patch 0001")
-    if v2_env is None:
-        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_env)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+
+
+@pytest.mark.parametrize("v2_env, on_v2", [(None, True), ("0", False)])
+def test_ddtree_runs_on_model_runner_v2_on_a_gpu_platform(tiny_llama_dir, tiny_llama_dflash_dir, gpu_platform,
+                                                           monkeypatch, v2_env, on_v2):
+    """On a platform where Model Runner V2 can run, ddtree uses it with nothing set; VLLM_USE_V2_MODEL_RUNNER=0
+    (vLLM's own switch) still selects the V1 runner. (Async scheduling by default on either: test_mrv2_ddtree; the
+    faked platform's CPU engine turns it off here.)"""
+    if v2_env is not None:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_env)
     config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir), num_speculative_tokens=4)
     assert config.use_v2_model_runner is on_v2
     assert config._get_v2_model_runner_unsupported_features() == []
+
+
+def test_without_a_budget_model_runner_v2_verifies_trees_or_the_chain(tiny_llama_dir, tiny_llama_dflash_dir,
+                                                                        gpu_platform):
+    """The default on Model Runner V2, through vLLM's own config: the cost-aware budget over 16, 32 and 64 nodes and
+    the DFlash chain (tree_depth = 7 drafts for this block-8 drafter), each a width of vLLM's schedule, ddtree's
+    scheduler named."""
+    config = engine_config(tiny_llama_dir, method="ddtree", model=str(tiny_llama_dflash_dir))
+    spec = config.speculative_config
+    assert config.use_v2_model_runner
+    assert (spec.tree_budgets, spec.tree_depth, spec.num_speculative_tokens) == (["chain", 16, 32, 64], 7, 64)
+    assert spec.num_speculative_tokens_per_batch_size == [[1, 1, 64], [2, 2, 32], [3, 3, 16], [4, 4, 7]]
+    assert config.scheduler_config.scheduler_cls == "vllm_ddtree.scheduler.make_scheduler"
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,16 @@ its kernels run under TRITON_INTERPRET=1. This must happen before anything impor
 engine processes (tests/engine runs in its own pytest process).
 """
 
+import logging
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import pytest  # noqa: E402
 import triton.backends as _triton_backends  # noqa: E402
 from triton.backends.driver import DriverBase  # noqa: E402
+
+from vllm_ddtree import LOGGER_NAME  # noqa: E402
 
 
 class _InactiveCPUDriver(DriverBase):
@@ -30,3 +34,11 @@ class _InactiveCPUDriver(DriverBase):
 
 
 _triton_backends.backends.setdefault("cpu", _triton_backends.Backend(compiler=None, driver=_InactiveCPUDriver))
+
+
+@pytest.fixture
+def ddtree_log(caplog, monkeypatch):
+    """caplog that sees ddtree's records: they go to vLLM's logger (``vllm_ddtree.LOGGER_NAME``), which vLLM's
+    logging configuration keeps from the root logger, where caplog listens."""
+    monkeypatch.setattr(logging.getLogger(LOGGER_NAME).parent, "propagate", True)
+    return caplog

@@ -172,24 +172,36 @@ def test_start_up_line_says_which_runner_and_why(on_cuda, monkeypatch):
 
 @pytest.mark.parametrize("on_mrv2", [True, False])
 def test_without_a_budget_model_runner_v2_gets_the_cost_aware_budget(on_mrv2):
-    """No budget from the user: on Model Runner V2 the cost-aware budget over DEFAULT_TREE_BUDGETS (every verify
-    width in vLLM's schedule, ddtree's scheduler named); on the V1 runner the fixed default, no schedule (which
-    would cost full graphs and async scheduling there)."""
-    config = mrv2_vllm_config(speculative_config__tree_budget_is_default=True)
+    """No budget from the user: on Model Runner V2 the cost-aware budget over DEFAULT_TREE_BUDGETS, the chain fallback
+    among them (every verify width in vLLM's schedule, ddtree's scheduler named); on the V1 runner the fixed
+    default, no schedule (which would cost full graphs and async scheduling there)."""
+    config = mrv2_vllm_config(speculative_config__tree_budget_is_default=True, speculative_config__tree_depth=15)
     config.use_v2_model_runner = on_mrv2
     ddtree_config.settle_budget_policy(config)
     spec = config.speculative_config
-    assert spec.num_speculative_tokens == ddtree_config.DEFAULT_TREE_BUDGET == max(ddtree_config.DEFAULT_TREE_BUDGETS)
+    assert spec.num_speculative_tokens == ddtree_config.DEFAULT_TREE_BUDGET == 64
     if on_mrv2:
-        assert spec.tree_budgets == [16, 32, 64]
-        assert spec.num_speculative_tokens_per_batch_size == [[1, 1, 64], [2, 2, 32], [3, 3, 16]]
+        assert spec.tree_budgets == ["chain", 16, 32, 64]
+        assert spec.num_speculative_tokens_per_batch_size == [[1, 1, 64], [2, 2, 32], [3, 3, 16], [4, 4, 15]]
         assert config.scheduler_config.scheduler_cls == "vllm_ddtree.scheduler.make_scheduler"
         line = ddtree_config.describe_runner(config, on_mrv2=True)
-        assert "cost-aware node budget among [16, 32, 64] (ddtree's default; num_speculative_tokens fixes it)" in line
+        assert ("cost-aware node budget among [16, 32, 64] or the DFlash chain (15 drafts) (ddtree's default; "
+                "num_speculative_tokens fixes it)") in line
     else:
         assert spec.tree_budgets is None and spec.num_speculative_tokens_per_batch_size is None
         assert config.scheduler_config.scheduler_cls is None
         assert "node budget 64 (ddtree's default" in ddtree_config.describe_runner(config, on_mrv2=False)
+
+
+def test_the_default_leaves_a_chain_steps_width_to_the_chain():
+    """A drafter whose chain is 16 drafts deep (block size 17): a default tree budget of 16 would verify the same
+    width as a chain step, which the user's tree_budgets refuses; the default drops that budget instead."""
+    config = mrv2_vllm_config(speculative_config__tree_budget_is_default=True, speculative_config__tree_depth=16)
+    config.use_v2_model_runner = True
+    ddtree_config.settle_budget_policy(config)
+    spec = config.speculative_config
+    assert spec.tree_budgets == ["chain", 32, 64]
+    assert spec.num_speculative_tokens_per_batch_size == [[1, 1, 64], [2, 2, 32], [3, 3, 16]]
 
 
 def test_a_budget_or_scheduler_the_user_gave_is_kept_on_model_runner_v2():

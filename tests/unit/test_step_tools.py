@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_ddtree import step_timing
+from vllm_ddtree import LOGGER_NAME, step_timing
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket, row_bucket
 
 
@@ -64,7 +64,7 @@ def test_graphed_step_replays_the_captured_work():
     assert list(step.graphs) == [4]
 
 
-def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
+def test_warns_when_verify_steps_outgrow_cuda_graphs(ddtree_log):
     """B=64 at 8 requests is 520 tokens, past vLLM's default 512-token graphs: say so at start-up, with the fix."""
     from vllm_ddtree.cuda_graphs import warn_if_trees_outgrow_graphs
 
@@ -76,10 +76,10 @@ def test_warns_when_verify_steps_outgrow_cuda_graphs(caplog):
         )
 
     def warnings():
-        return [r.getMessage() for r in caplog.records if r.name == "vllm_ddtree"]
+        return [r.getMessage() for r in ddtree_log.records if r.name == LOGGER_NAME]
 
     sizes = list(range(65, 513, 65))
-    with caplog.at_level("WARNING", logger="vllm_ddtree"):
+    with ddtree_log.at_level("WARNING", logger=LOGGER_NAME):
         warn_if_trees_outgrow_graphs(config(7, sizes), 64)
         warn_if_trees_outgrow_graphs(config(8, sizes, eager=True), 64)
         assert not warnings()
@@ -100,7 +100,7 @@ def test_capture_size_covering_is_on_vllms_capture_grid(tokens):
     assert len(grid) == 1 or grid[-2] < tokens
 
 
-def test_tensor_parallel_graphs_warn_at_start_up(caplog):
+def test_tensor_parallel_graphs_warn_at_start_up(ddtree_log):
     from vllm_ddtree.cuda_graphs import warn_if_tensor_parallel_graphs
 
     def config(tp, eager=False):
@@ -109,12 +109,12 @@ def test_tensor_parallel_graphs_warn_at_start_up(caplog):
         )
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    with caplog.at_level("WARNING", logger="vllm_ddtree"):
+    with ddtree_log.at_level("WARNING", logger=LOGGER_NAME):
         for cfg, device in ((config(1), cuda), (config(2), cpu), (config(2, eager=True), cuda)):
             warn_if_tensor_parallel_graphs(cfg, device)
-        assert not caplog.records
+        assert not ddtree_log.records
         warn_if_tensor_parallel_graphs(config(2), cuda)
-    [record] = caplog.records
+    [record] = ddtree_log.records
     assert "tensor_parallel_size=2" in record.getMessage() and "--disable-custom-all-reduce" in record.getMessage()
 
 
@@ -141,7 +141,7 @@ def test_drafter_capture_once_replays_nothing_inside_a_capture_pass(monkeypatch)
     assert capture == {272: True, 256: False, 248: False, 136: False, 128: True, 8: True}
 
 
-def test_a_budget_schedule_on_the_v1_runner_warns_that_full_graphs_are_gone(caplog):
+def test_a_budget_schedule_on_the_v1_runner_warns_that_full_graphs_are_gone(ddtree_log):
     """vLLM drops V1 to piecewise graphs under a budget schedule; on GPU with graphs say so, with the fix."""
     from vllm_ddtree.cuda_graphs import warn_if_budget_schedule_drops_full_graphs
 
@@ -150,10 +150,10 @@ def test_a_budget_schedule_on_the_v1_runner_warns_that_full_graphs_are_gone(capl
                                model_config=SimpleNamespace(enforce_eager=eager))
 
     schedule, cuda, cpu = [[1, 1, 64], [2, 8, 16]], torch.device("cuda"), torch.device("cpu")
-    with caplog.at_level("WARNING", logger="vllm_ddtree"):
+    with ddtree_log.at_level("WARNING", logger=LOGGER_NAME):
         for cfg, device in ((config(None), cuda), (config(schedule), cpu), (config(schedule, eager=True), cuda)):
             warn_if_budget_schedule_drops_full_graphs(cfg, device)
-        assert not caplog.records
+        assert not ddtree_log.records
         warn_if_budget_schedule_drops_full_graphs(config(schedule), cuda)
-    [record] = caplog.records
+    [record] = ddtree_log.records
     assert "piecewise" in record.getMessage() and "fixed num_speculative_tokens" in record.getMessage()

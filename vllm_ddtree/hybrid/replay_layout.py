@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree import LOGGER_NAME
 from vllm_ddtree.hybrid.tree_gdn import DeferredLeaves, deferred_leaves
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def one_state_block(layer) -> None:

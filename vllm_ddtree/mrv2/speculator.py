@@ -28,6 +28,7 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from vllm_ddtree import LOGGER_NAME
 from vllm_ddtree.attention import backend as tree_backends
 from vllm_ddtree.config import chain_fallback, describe_runner
 from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_tensor_parallel_graphs, warn_if_trees_outgrow_graphs
@@ -39,7 +40,7 @@ from vllm_ddtree.tree_handover import TreeHandover
 from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
 from vllm_ddtree.verify_rows import RowInputs
 
-logger = logging.getLogger("vllm_ddtree")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 class DDTreeSpeculator(DFlashSpeculator):

@@ -21,6 +21,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_ddtree import LOGGER_NAME
 from vllm_ddtree.attention import backend as tree_backends
 from vllm_ddtree.config import chain_fallback, describe_runner
 from vllm_ddtree.cuda_graphs import (
@@ -38,7 +39,7 @@ from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import RequestSlots, TreeHandover
 from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
 
-logger = logging.getLogger("vllm_ddtree")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 class DDTreeProposer(DFlashProposer):

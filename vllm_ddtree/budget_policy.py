@@ -9,49 +9,44 @@ scheduler picks the budget b that maximises expected tokens per second,
 
 - ``accepted(b)``: mean accepted drafts over the last ``window`` requests verified at b (a step at batch 1 gives
   one sample, and one request's acceptance varies from 0 to the tree's depth: an average over requests, not steps);
-- ``step_time(n, b)``: moving average of the wall time between consecutive step outputs, for steps of n's batch
-  bucket (n rounded up to a power of two) verified at b; only steps that verified trees and nothing else, after a
-  step that did the same, so prefills and idle gaps do not count.
+- ``step_time(n, b)``: median of the last ``time_window`` wall times between consecutive step outputs, for steps
+  of n's batch bucket (n rounded up to a power of two) verified at b; only steps that verified trees and nothing
+  else, after a step that did the same, so prefills and idle gaps do not count. A median, not a moving average:
+  a bucket's first steps of a kind can take many times their later cost, and a budget that is only probed now and
+  then carried such a sample for the rest of a run (H100, 2026-12-05: the chain's estimate at batch 1 stayed at
+  27-40 ms where its steps took about 3 ms, and the policy left it).
 
 Both come from what vLLM's scheduler already sees on the host (each output's accepted counts and when it arrives),
 so the choice costs no device sync. A budget not yet measured for a bucket (fewer than ``min_requests`` requests, or
-no step time) is tried first. Then every ``probe_every``-th step of a bucket verifies a budget next to the best one
-(tokens/s is unimodal in the budget: CaDDTree), alternating below and above, so the estimates follow the workload:
-when nothing is accepted the smallest budget wins; when the trees' acceptance pays for a larger verify, a larger one
-does. The chain fallback is one more choice (``chain``: its draft count, the tree depth), below the smallest tree.
+fewer than ``min_steps`` step times) is tried first. Then every ``probe_every``-th step of a bucket verifies a
+budget next to the best one (tokens/s is unimodal in the budget: CaDDTree), alternating below and above, so the
+estimates follow the workload: when nothing is accepted the smallest budget wins; when the trees' acceptance pays
+for a larger verify, a larger one does. The chain fallback is one more choice (``chain``: its draft count, the
+tree depth), below the smallest tree.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 
-class _Average:
-    """Exponential moving average; None until the first sample."""
+class _Recent:
+    """``statistic`` of the last ``size`` samples; None until ``least`` samples."""
 
-    def __init__(self, weight: float):
-        self.weight = weight
-        self.value: float | None = None
-
-    def add(self, sample: float) -> None:
-        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
-
-
-class _Window:
-    """Mean of the last ``size`` samples; None until ``least`` samples."""
-
-    def __init__(self, size: int, least: int):
+    def __init__(self, size: int, least: int, statistic: Callable[[Sequence[float]], float]):
         self.samples: deque[float] = deque(maxlen=size)
         self.least = least
+        self.statistic = statistic
 
     def extend(self, samples: Sequence[float]) -> None:
         self.samples.extend(samples)
 
     @property
     def value(self) -> float | None:
-        return sum(self.samples) / len(self.samples) if len(self.samples) >= self.least else None
+        return self.statistic(self.samples) if len(self.samples) >= self.least else None
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -66,16 +61,16 @@ class CostAwareBudget:
     the scheduler reports each verified request (``observe_request``) and each step's output (``observe_step``)."""
 
     def __init__(self, budgets: Sequence[int], *, chain: int | None = None, window: int = 32, min_requests: int = 8,
-                 weight: float = 0.2, probe_every: int = 32, clock: Callable[[], float] = time.monotonic):
-        """``chain``: the choice among ``budgets`` that verifies the DFlash chain (named so in the summary);
-        ``weight``: of each new step time in its bucket's moving average."""
+                 time_window: int = 9, min_steps: int = 3, probe_every: int = 32,
+                 clock: Callable[[], float] = time.monotonic):
+        """``chain``: the choice among ``budgets`` that verifies the DFlash chain (named so in the summary)."""
         self.budgets = tuple(sorted(set(budgets)))
         self.chain = chain
-        self.weight = weight
+        self.time_window, self.min_steps = time_window, min_steps
         self.probe_every = probe_every
         self.clock = clock
-        self.accepted = {b: _Window(window, min_requests) for b in self.budgets}
-        self.step_time: dict[tuple[int, int], _Average] = {}
+        self.accepted = {b: _Recent(window, min_requests, statistics.fmean) for b in self.budgets}
+        self.step_time: dict[tuple[int, int], _Recent] = {}
         self.choices: dict[int, int] = {}  # per bucket: steps chosen so far
         self.verified: dict[tuple[int, int], int] = {}  # (bucket, budget): verify-only steps seen
         self._step_accepted: list[int] = []
@@ -123,7 +118,7 @@ class CostAwareBudget:
             self.verified[key] = self.verified.get(key, 0) + 1
             self.accepted[budget].extend(accepted)
             if self._last_clean and self._last_output is not None:
-                self._time(batch_bucket(batch_size), budget).add(now - self._last_output)
+                self._time(batch_bucket(batch_size), budget).extend([now - self._last_output])
         self._last_output, self._last_clean = now, verify_only
 
     def summary(self) -> str:
@@ -143,8 +138,8 @@ class CostAwareBudget:
             parts.append(f"batch {first}{'' if first == last else f'-{last}'}: " + ", ".join(cells))
         return "; ".join(parts) or "no verify steps"
 
-    def _time(self, bucket: int, budget: int) -> _Average:
+    def _time(self, bucket: int, budget: int) -> _Recent:
         key = (bucket, budget)
         if key not in self.step_time:
-            self.step_time[key] = _Average(self.weight)
+            self.step_time[key] = _Recent(self.time_window, self.min_steps, statistics.median)
         return self.step_time[key]

@@ -22,6 +22,8 @@ import torch
 
 from vllm_ddtree import LOGGER_NAME
 
+logger = logging.getLogger(LOGGER_NAME)
+
 
 def graphs_enabled(vllm_config, device: torch.device) -> bool:
     """DDTree's own graphs follow the engine's: on CUDA unless ``enforce_eager``."""
@@ -108,7 +110,7 @@ def warn_if_trees_outgrow_graphs(vllm_config, budget: int) -> None:
     scheduler = vllm_config.scheduler_config
     max_reqs = scheduler.max_num_seqs
     if graphed < max_reqs:
-        logging.getLogger(LOGGER_NAME).warning(
+        logger.warning(
             "ddtree: verify steps of more than %d requests (x %d tokens) exceed the largest CUDA graph (%d tokens) "
             "and run without graphs; raise it with --compilation-config '{\"max_cudagraph_capture_size\": %d}' or "
             "lower the budget",
@@ -126,7 +128,7 @@ def warn_if_budget_schedule_drops_full_graphs(vllm_config, device: torch.device)
         return
     if getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None) is None:
         return
-    logging.getLogger(LOGGER_NAME).warning(
+    logger.warning(
         "ddtree: num_speculative_tokens_per_batch_size on the V1 runner makes vLLM run piecewise CUDA graphs only "
         "(attention and GatedDeltaNet layers eager), which cost a Qwen3.6-27B-shaped target 1.8x its batch-1 step "
         "with full graphs; the adaptive budget keeps full graphs on Model Runner V2 (dense targets). Here, prefer a "
@@ -143,7 +145,7 @@ def warn_if_tensor_parallel_graphs(vllm_config, device: torch.device) -> None:
     tp = vllm_config.parallel_config.tensor_parallel_size
     if device.type != "cuda" or tp == 1 or vllm_config.model_config.enforce_eager:
         return
-    logging.getLogger(LOGGER_NAME).warning(
+    logger.warning(
         "ddtree: tensor_parallel_size=%d with CUDA graphs has not yet served on a GPU (the one H200 run, Qwen3-8B "
         "shape at TP=2 on the V1 runner, died in vLLM's CUDA-graph capture with an illegal memory access reported by "
         "the custom all-reduce; Model Runner V2 at TP=2 has not run). On the V1 runner the drafter's repeated "

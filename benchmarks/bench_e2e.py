@@ -9,7 +9,9 @@ defaults are small (``CPU_DEFAULTS``: 4 prompts, 32 tokens, batch 4; a few minut
 
 Every configuration generates greedily for the same prompts, ``batch`` at a time (batch 1 runs them one by one);
 the table gives tokens/s (on GPU after a warm-up pass over the same shapes), τ (mean tokens per verify step, bonus
-included: 1 + accepted / drafts), and how many outputs differ from no-spec. ``--prompt-set heldout`` uses the drafter
+included: 1 + accepted / drafts), how many outputs differ from no-spec, and each request's mean time to its first
+token (TTFT ms) and per later token (ms/tok), which split tokens/s into what a request pays once and what its
+decode steps cost. ``--prompt-set heldout`` uses the drafter
 trainer's held-out prompts (GSM8K, then the last HumanEval tasks; needs ``requirements/train.txt``).
 CUDA graphs stay on unless --eager (the CPU default: vLLM's CPU engine would otherwise compile with inductor). With a
 random-weight drafter (--shape) nothing is accepted, so τ ≈ 1 and the ratios measure pure per-step overhead; the
@@ -173,12 +175,29 @@ def _measure(llm, args: dict) -> list[dict]:
         rows.append({
             "batch": batch,
             "tokens_per_s": tokens / elapsed,
+            **request_latencies(outputs),
             "prefill_tokens_per_s": prompt_tokens / elapsed if args.get("prefill_tokens") else None,
             "tau": 1 + accepted / drafts if drafts else None,
             "accepted_per_position": [round(a / drafts, 4) for a in per_pos] if drafts else None,
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         })
     return rows
+
+
+def request_latencies(outputs) -> dict:
+    """Mean time to the first token and mean time per later token of a request, from vLLM's request metrics (engine
+    core timestamps): they split tokens/s into what each request pays once (prefill, its first step) and the
+    decode steps. None where vLLM kept no metrics."""
+    first, per_token = [], []
+    for o in outputs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        if m is None or not m.first_token_ts:
+            continue
+        first.append(m.first_token_latency)
+        if n > 1 and m.last_token_ts > m.first_token_ts:
+            per_token.append((m.last_token_ts - m.first_token_ts) / (n - 1))
+    return {"first_token_ms": 1e3 * sum(first) / len(first) if first else None,
+            "decode_ms_per_token": 1e3 * sum(per_token) / len(per_token) if per_token else None}
 
 
 def prefill_prompts(count: int, length: int) -> list[dict]:
@@ -574,6 +593,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
                 "engine_start_s": res.get("engine_start_s"),
+                "first_token_ms": _round(row.get("first_token_ms"), 2),
+                "decode_ms_per_token": _round(row.get("decode_ms_per_token"), 3),
             })
             if row.get("prefill_tokens_per_s"):
                 ref_prefill = ref_row and ref_row.get("prefill_tokens_per_s")
@@ -590,15 +611,24 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
     return table
 
 
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
+
+
 def print_table(table: list[dict]) -> None:
     print(f"{'config':24s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'tau':>6s} {'x no-spec':>9s} {'x chain':>8s} "
-          f"{'differ':>7s} {'start s':>7s}"
+          f"{'differ':>7s} {'start s':>7s} {'TTFT ms':>8s} {'ms/tok':>7s}"
           + (" GDN state GiB" if any("gdn_state_gib" in t for t in table) else "")
           + (" prefill tok/s x no-spec" if any("prefill_tokens_per_s" in t for t in table) else ""))
     for t in table:
         print(f"{t['config']:24s} {t['batch']:5d} {t['tokens_per_s']:9.1f} {t['ms_per_step']:8.2f} "
               f"{t['tau'] or '-':>6} {t['vs_no_spec'] or '-':>9} {t['vs_chain'] or '-':>8} "
-              f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d} {t['engine_start_s'] or '-':>7}"
+              f"{t['outputs_differing_from_no_spec']}/{t['prompts']:<3d} {t['engine_start_s'] or '-':>7} "
+              f"{_cell(t.get('first_token_ms'), 8, 1)} {_cell(t.get('decode_ms_per_token'), 7, 2)}"
               + (f" {t['gdn_state_gib']:13.2f}" if "gdn_state_gib" in t else "")
               + (f" {t['prefill_tokens_per_s']:13.1f} {t['prefill_vs_no_spec'] or '-':>9}"
                  if "prefill_tokens_per_s" in t else "")

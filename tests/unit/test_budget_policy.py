@@ -137,19 +137,19 @@ def test_only_verify_steps_after_verify_steps_are_timed():
 
 
 def test_unmeasured_budgets_are_tried_first():
-    """Measured: min_steps step times for the batch bucket and at least min_requests requests' acceptance."""
+    """Measured: at least min_requests requests' acceptance and min_steps step times for the batch bucket."""
     policy = CostAwareBudget([32, 8, 16], min_requests=4, min_steps=3)
     assert policy[4] == 8
-    policy._time(batch_bucket(4), 8).extend([1.0, 1.0])
-    policy.accepted[8].extend([2, 2, 2, 2])
-    assert policy[4] == 8 and policy.expected_rate(4, 8) is None
-    policy._time(batch_bucket(4), 8).extend([1.0])
-    policy.accepted[8].samples.clear()
-    policy.accepted[8].extend([2, 2, 2])
+    policy._time(batch_bucket(4), 8).extend([1.0, 1.0, 1.0])
+    policy.accepted[8].extend([2, 2, 2])  # one request short
     assert policy[4] == 8 and policy.expected_rate(4, 8) is None
     policy.accepted[8].extend([2])
-    assert policy[4] == 16
-    assert policy.expected_rate(4, 8) == 3.0 and policy.expected_rate(4, 16) is None
+    assert policy[4] == 16 and policy.expected_rate(4, 8) == 3.0
+    policy._time(batch_bucket(4), 16).extend([1.0, 1.0])  # one step time short
+    policy.accepted[16].extend([2, 2, 2, 2])
+    assert policy[4] == 16 and policy.expected_rate(4, 16) is None
+    policy._time(batch_bucket(4), 16).extend([1.0])
+    assert policy[4] == 32 and policy.expected_rate(4, 16) == 3.0
 
 
 def test_a_slow_first_step_does_not_keep_a_budget_out():

@@ -17,12 +17,14 @@ scheduler picks the budget b that maximises expected tokens per second,
   27-40 ms where its steps took about 3 ms, and the policy left it).
 
 Both come from what vLLM's scheduler already sees on the host (each output's accepted counts and when it arrives),
-so the choice costs no device sync. A budget not yet measured for a bucket (fewer than ``min_requests`` requests, or
-fewer than ``min_steps`` step times) is tried first. Then every ``probe_every``-th step of a bucket verifies a
-budget next to the best one (tokens/s is unimodal in the budget: CaDDTree), alternating below and above, so the
+so the choice costs no device sync. Budgets not yet measured for a bucket (fewer than ``min_requests`` requests, or
+fewer than ``min_steps`` step times) are tried first, smallest first, for as long as each measured one does at
+least as well as the one below it: tokens/s is unimodal in the budget (CaDDTree), so past its peak the larger,
+costlier trees (eager steps beyond the CUDA graphs at large batches) are not worth a try. Then every
+``probe_every``-th step of a bucket verifies a budget next to the best one, alternating below and above, so the
 estimates follow the workload: when nothing is accepted the smallest budget wins; when the trees' acceptance pays
-for a larger verify, a larger one does. The chain fallback is one more choice (``chain``: its draft count, the
-tree depth), below the smallest tree.
+for a larger verify, a larger one does, and the budgets above it come within reach. The chain fallback is one more
+choice (``chain``: its draft count, the tree depth), below the smallest tree.
 """
 
 from __future__ import annotations
@@ -92,10 +94,14 @@ class CostAwareBudget:
         bucket = batch_bucket(batch_size)
         count = self.choices[bucket] = self.choices.get(bucket, 0) + 1
         rates = {b: self.expected_rate(batch_size, b) for b in self.budgets}
-        for b in self.budgets:
+        peak = None
+        for b in self.budgets:  # explore upwards while tokens/s climbs
             if rates[b] is None:
                 return b
-        best = max(self.budgets, key=lambda b: rates[b])
+            if peak is not None and rates[b] < rates[peak]:
+                break
+            peak = b
+        best = max((b for b in self.budgets if rates[b] is not None), key=lambda b: rates[b])
         if self.probe_every and count % self.probe_every == 0:
             i = self.budgets.index(best)
             below = self.budgets[i - 1] if i > 0 else None

@@ -152,6 +152,23 @@ def test_unmeasured_budgets_are_tried_first():
     assert policy[4] == 32 and policy.expected_rate(4, 16) == 3.0
 
 
+def test_exploration_stops_past_the_peak():
+    """Nothing accepted at batch 32 (Qwen3-8B shape on an H100, 2026-12-05: chain 15 ms, B=16 17, B=32 31, B=64 57
+    per step): once B=16 measures below the chain, B=32 and B=64 are never verified (tokens/s is unimodal in the
+    budget). With acceptance that pays for trees the exploration climbs to the
+    top and settles there."""
+    seconds = {15: 15.0, 16: 17.0, 32: 31.0, 64: 57.0}
+    policy = CostAwareBudget([15, 16, 32, 64], chain=15)
+    chosen = Engine(policy, lambda n, b: seconds[b], lambda b: 0.0).run(batch=32, steps=300)
+    assert set(chosen) == {15, 16} and Counter(chosen)[16] < 300 // 32 + 8, Counter(chosen)
+
+    seconds = {15: 1.0, 16: 1.02, 32: 1.05, 64: 1.1}
+    accepted = {15: 4.0, 16: 5.0, 32: 6.5, 64: 8.0}
+    policy = CostAwareBudget([15, 16, 32, 64], chain=15)
+    chosen = Engine(policy, lambda n, b: seconds[b], lambda b: accepted[b]).run(batch=1, steps=300)
+    assert settled(chosen, 128).most_common(1)[0][0] == 64
+
+
 def test_a_slow_first_step_does_not_keep_a_budget_out():
     """An engine's first steps are many times slower than the rest (kernels compiled on first use; on an H100,
     2026-12-05, the chain's estimate stayed at 27-40 ms against steps of about 3 ms), and they fall on the budget

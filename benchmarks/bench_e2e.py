@@ -25,6 +25,7 @@ import fcntl
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -193,11 +194,11 @@ def request_latencies(outputs) -> dict:
         m, n = o.metrics, len(o.outputs[0].token_ids)
         if m is None or not m.first_token_ts:
             continue
-        first.append(m.first_token_latency)
+        first.append(1e3 * m.first_token_latency)
         if n > 1 and m.last_token_ts > m.first_token_ts:
-            per_token.append((m.last_token_ts - m.first_token_ts) / (n - 1))
-    return {"first_token_ms": 1e3 * sum(first) / len(first) if first else None,
-            "decode_ms_per_token": 1e3 * sum(per_token) / len(per_token) if per_token else None}
+            per_token.append(1e3 * (m.last_token_ts - m.first_token_ts) / (n - 1))
+    return {"first_token_ms": round(statistics.fmean(first), 2) if first else None,
+            "decode_ms_per_token": round(statistics.fmean(per_token), 3) if per_token else None}
 
 
 def prefill_prompts(count: int, length: int) -> list[dict]:
@@ -593,8 +594,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
                 "engine_start_s": res.get("engine_start_s"),
-                "first_token_ms": _round(row.get("first_token_ms"), 2),
-                "decode_ms_per_token": _round(row.get("decode_ms_per_token"), 3),
+                "first_token_ms": row.get("first_token_ms"),
+                "decode_ms_per_token": row.get("decode_ms_per_token"),
             })
             if row.get("prefill_tokens_per_s"):
                 ref_prefill = ref_row and ref_row.get("prefill_tokens_per_s")
@@ -609,10 +610,6 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 table[-1]["outputs_differing_from_same_backend_no_spec"] = sum(
                     a != b for a, b in zip(row["token_ids"], same["rows"][i]["token_ids"]))
     return table
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
 
 
 def _cell(value: float | None, width: int, digits: int) -> str:

@@ -155,8 +155,7 @@ def test_unmeasured_budgets_are_tried_first():
 def test_exploration_stops_past_the_peak():
     """Nothing accepted at batch 32 (Qwen3-8B shape on an H100, 2026-12-05: chain 15 ms, B=16 17, B=32 31, B=64 57
     per step): once B=16 measures below the chain, B=32 and B=64 are never verified (tokens/s is unimodal in the
-    budget). With acceptance that pays for trees the exploration climbs to the
-    top and settles there."""
+    budget). With acceptance that pays for trees the exploration climbs to the top and settles there."""
     seconds = {15: 15.0, 16: 17.0, 32: 31.0, 64: 57.0}
     policy = CostAwareBudget([15, 16, 32, 64], chain=15)
     chosen = Engine(policy, lambda n, b: seconds[b], lambda b: 0.0).run(batch=32, steps=300)

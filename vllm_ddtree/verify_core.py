@@ -215,6 +215,14 @@ class TreeVerifyCore:
 
     # ------------------------------------------------------------------ for the drafter
 
+    def next_step_is_chain(self, next_num_drafts: int) -> bool:
+        """Whether the step after this one verifies the chain, from the draft count vLLM's scheduler already fixed
+        for it (``SchedulerOutput.num_spec_tokens_to_schedule``, which this step's drafter drafts for: the
+        placeholders of async scheduling, the drafts a V1 drafter returns): then the drafter can file its chain
+        without building a tree (``tree.build.build_chain``)."""
+        return self.handover.chains is not None and next_num_drafts == self.depth
+
+
     def take_step(self) -> VerifyStep | None:
         """The step verified since the last draft (walked, or at least prepared), once."""
         step, self._in_flight = self._in_flight, None

@@ -16,8 +16,9 @@ Before the forward (``prepare_rows``), per request of the batch:
 - per logits row its request and node, and per request its root's token row and first logits row.
 
 A chain step (``chains`` given: the chain fallback, ``verify_core``) verifies each request's DFlash chain instead:
-the guard is the same (the runner fed the tree's first drafts), then the chain's tokens overwrite the fed drafts,
-the verify tree is the chain (node i: parent i - 1, depth i, so positions stay linear) and ``tree_rows`` stays -1,
+the guard is the same (the runner fed the tree's first drafts), then the chain's tokens overwrite the fed drafts
+(the same tokens where the drafter knew and filed only the chain, ``tree.build.build_chain``), the verify tree is
+the chain (node i: parent i - 1, depth i, so positions stay linear) and ``tree_rows`` stays -1,
 so attention is causal: vLLM's own kernel. The walk, compaction and linearisation need nothing else.
 
 After the walk (``linearise_rows``), for the drafter: the linear positions back, and the row permutation that puts

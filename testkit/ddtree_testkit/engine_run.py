@@ -211,6 +211,7 @@ def main() -> None:
         )
     ]
     prompts = [{"prompt_token_ids": p} for p in args["prompt_token_ids"]]
+    chain_drafts = _count_calls("vllm_ddtree.v1.proposer", "build_chain")
     results = []
     if args.get("abort_after_steps") is not None:
         print("ENGINE_RESULT " + json.dumps(abort_run(llm, prompts, params[0], args["abort_after_steps"])), flush=True)
@@ -234,11 +235,28 @@ def main() -> None:
     policy = getattr(_in_process_scheduler(llm), "budget_policy", None)
     if policy is not None:  # ddtree's cost-aware scheduler: per verified draft count, the requests' accepted drafts
         out["budget_policy"] = {"chain": policy.chain,
-                                "accepted": {str(b): list(w.samples) for b, w in policy.accepted.items()}}
+                                "accepted": {str(b): list(w.samples) for b, w in policy.accepted.items()},
+                                "chain_drafts": chain_drafts[0]}
     if audit_file:
         out["sync_audit"] = json.loads(Path(audit_file).read_text() or "[]")
     out["preemptions"] = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     print("ENGINE_RESULT " + json.dumps(out), flush=True)
+
+
+def _count_calls(module_name: str, name: str) -> list[int]:
+    """Wrap ``module.name`` to count its calls in this process (the CPU engine's worker runs here; calls made
+    inside a replayed CUDA graph are not seen)."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    fn, count = getattr(module, name), [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return fn(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return count
 
 
 def _in_process_scheduler(llm):

@@ -62,8 +62,8 @@ def test_cost_aware_budget_verifies_several_budgets_losslessly(tiny_llama_dir, t
                                                               reference, budgets, fewest):
     """``tree_budgets``: ddtree's scheduler picks each step's budget (budget_policy.py); it tries both choices
     before it settles, and whichever it picks, the outputs are no-spec's. ``"chain"``: chain steps verify
-    ``tree_depth`` = 7 drafts, the DFlash chain swapped in for the tree's first drafts, causally; they accept the
-    oracle drafter's chain."""
+    ``tree_depth`` = 7 drafts, the DFlash chain, causally; they accept the oracle drafter's chain. The drafter
+    builds no tree before a step the scheduler already gave to the chain: it files the chain alone (``build_chain``)."""
     spec = {"method": "ddtree", "model": str(tiny_llama_dflash_dir), "tree_budgets": budgets}
     result = run_engine(
         model=str(tiny_llama_dir),
@@ -82,6 +82,7 @@ def test_cost_aware_budget_verifies_several_budgets_losslessly(tiny_llama_dir, t
     assert policy["chain"] == (fewest if "chain" in budgets else None)
     fewest_accepted = policy["accepted"][str(fewest)]  # the oracle ranks the right token first at ~half the depths
     assert len(fewest_accepted) >= 8 and sum(a > 0 for a in fewest_accepted) >= len(fewest_accepted) // 4, policy
+    assert (policy["chain_drafts"] > 0) == ("chain" in budgets), policy
 
 
 # The one host synchronisation DDTree's code may make in a step on the CPU engine: its PyTorch KV compaction

@@ -121,11 +121,13 @@ class _SpecWithSchedule(SimpleNamespace):
         return self.num_speculative_tokens_per_batch_size is not None
 
 
+@pytest.mark.parametrize("skips_builds", [False, True], ids=["trees", "and-chains"])
 @pytest.mark.parametrize("schedule", [None, [[1, 1, 64], [2, 8, 16], [9, 64, 4]]])
-def test_drafter_graphs_have_one_query_length_under_a_budget_schedule(monkeypatch, schedule):
+def test_drafter_graphs_have_one_query_length_under_a_budget_schedule(monkeypatch, schedule, skips_builds):
     """MRV2's graph manager derives per-schedule query lengths as ``b + (query length - B)``: for DDTree's drafter
     (``1 + depth`` queries, B = 64) that is 16 - 48 = -32 at b = 16. The drafter's graphs must all be ``1 + depth``
-    wide (the target's follow the schedule: vLLM's own derivation, right for a verify of ``1 + b`` rows)."""
+    wide (the target's follow the schedule: vLLM's own derivation, right for a verify of ``1 + b`` rows). With the
+    chain fallback under async scheduling (``skips_builds``) a second manager captures the chain-only drafts."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu import cudagraph_utils
     from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator
@@ -147,12 +149,22 @@ def test_drafter_graphs_have_one_query_length_under_a_budget_schedule(monkeypatc
     drafter.vllm_config, drafter.device, drafter.num_query_per_req = vllm_config, "cpu", 1 + depth
     drafter.attn_cg_support = SimpleNamespace(
         min_cg_support=dflash_speculator.AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="FLASH_ATTN")
+    drafter.skips_builds, drafter._chain_graphs, drafter._drafting_chain = skips_builds, None, False
     drafter.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
     manager = drafter.query_cudagraph_manager
-    widths = {d.uniform_token_count for descs in manager._capture_descs.values() for d in descs}
-    assert widths == {1 + depth}
-    assert manager.vllm_config.speculative_config.num_speculative_tokens_per_batch_size is None
-    assert drafter.vllm_config is vllm_config  # the view was the manager's only
+    managers = [manager] + ([drafter._chain_graphs] if skips_builds else [])
+    for each in managers:
+        widths = {d.uniform_token_count for descs in each._capture_descs.values() for d in descs}
+        assert widths == {1 + depth}
+        assert each.vllm_config.speculative_config.num_speculative_tokens_per_batch_size is None
+    assert drafter.vllm_config is vllm_config  # the view was the managers' only
+    assert (drafter._chain_graphs is not None) == skips_builds and drafter._chain_graphs is not manager
+    captured = []
+    monkeypatch.setattr(dflash_speculator.DFlashSpeculator, "capture",
+                        lambda self: captured.append((self._drafting_chain, self.query_cudagraph_manager)))
+    drafter.capture()
+    assert captured == [(False, manager)] + ([(True, drafter._chain_graphs)] if skips_builds else [])
+    assert (drafter._drafting_chain, drafter.query_cudagraph_manager) == (False, manager)
 
 
 def test_off_cuda_is_a_gap(monkeypatch):
@@ -277,7 +289,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_ddtree.kv_compact import kv_compact_torch  # noqa: E402
-from vllm_ddtree.tree.build import build_tree  # noqa: E402
+from vllm_ddtree.tree.build import build_chain, build_tree  # noqa: E402
 from vllm_ddtree.tree.layout import TreeBatch  # noqa: E402
 from vllm_ddtree.tree_handover import TreeHandover  # noqa: E402
 from vllm_ddtree.verify_core import TreeVerifyCore  # noqa: E402
@@ -819,9 +831,8 @@ def test_tree_sampler_logprobs_follow_the_accepted_path():
     assert torch.allclose(got.logprobs, want.logprobs)
 
 
-def test_generate_draft_builds_trees_rooted_at_the_anchors():
-    from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
-
+def _drafting_fake(drafting_chain: bool):
+    """What ``DDTreeSpeculator._generate_draft`` reads, around a linear draft head; and the logits it computes."""
     num_reqs, hidden_size, per_req = 3, 8, 1 + DEPTH
     gen = torch.Generator().manual_seed(3)
     weights = torch.randn(hidden_size, VOCAB, generator=gen)
@@ -841,16 +852,73 @@ def test_generate_draft_builds_trees_rooted_at_the_anchors():
         tree_budget=BUDGET,
         tree_depth=DEPTH,
         synthetic=None,
+        _drafting_chain=drafting_chain,
     )
-    DDTreeSpeculator._generate_draft(fake, num_reqs, num_reqs * per_req, None, None, None)
+    return fake, (hidden[sample_indices] @ weights).view(num_reqs, DEPTH, VOCAB), input_ids[anchors[:num_reqs]].long()
+
+
+def test_generate_draft_builds_trees_rooted_at_the_anchors():
+    from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
+
+    fake, logits, roots = _drafting_fake(drafting_chain=False)
+    num_reqs = logits.shape[0]
+    input_ids, anchors = fake.input_buffers.input_ids, fake._anchor_idx
+    DDTreeSpeculator._generate_draft(fake, num_reqs, num_reqs * (1 + DEPTH), None, None, None)
     want = TreeBatch.allocate(num_reqs, BUDGET, "cpu")
-    logits = (hidden[sample_indices] @ weights).view(num_reqs, DEPTH, VOCAB)
-    build_tree(logits, BUDGET, want, input_ids[anchors[:num_reqs]].long())
+    build_tree(logits, BUDGET, want, roots)
     assert torch.equal(fake.batch_trees.token_ids[:num_reqs], want.token_ids)
     assert torch.equal(fake.batch_trees.parents[:num_reqs], want.parents)
     assert fake.batch_trees.token_ids[:num_reqs, 0].tolist() == input_ids[anchors[:num_reqs]].tolist()
     assert torch.equal(fake.draft_tokens[:num_reqs], want.token_ids[:, 1:])
     assert torch.equal(fake.batch_chains[:num_reqs], logits.argmax(-1))  # the DFlash chain, filed beside the tree
+
+
+def test_generate_draft_files_only_the_chain_when_the_next_step_verifies_it(monkeypatch):
+    from vllm_ddtree.mrv2 import speculator as mrv2_speculator
+
+    fake, logits, roots = _drafting_fake(drafting_chain=True)
+    num_reqs = logits.shape[0]
+    monkeypatch.setattr(mrv2_speculator, "build_tree", lambda *args, **kwargs: pytest.fail("built a tree"))
+    mrv2_speculator.DDTreeSpeculator._generate_draft(fake, num_reqs, num_reqs * (1 + DEPTH), None, None, None)
+    want, chains = TreeBatch.allocate(num_reqs, BUDGET, "cpu"), torch.zeros(num_reqs, DEPTH, dtype=torch.int64)
+    build_chain(logits, want, roots, chains)
+    for name in (*TREE_FIELDS, "num_nodes"):
+        assert torch.equal(getattr(fake.batch_trees, name)[:num_reqs], getattr(want, name)), name
+    assert torch.equal(fake.batch_chains[:num_reqs], logits.argmax(-1))
+    assert torch.equal(fake.draft_tokens[:num_reqs, :DEPTH], fake.batch_chains[:num_reqs])  # the drafts fed next
+
+
+def test_a_step_before_a_chain_step_drafts_through_the_chain_only_graphs(monkeypatch):
+    """The draft count vLLM's scheduler fixed for the next step reaches the speculator through patch 0004's hook;
+    when it is the chain's, DFlash's ``propose`` runs on the chain-only graphs with ``_generate_draft`` filing
+    chains. Any other count, a dummy run, or a drafter that does not skip builds drafts trees."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
+
+    seen = []
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **kw: seen.append(
+        (self._drafting_chain, self.query_cudagraph_manager)) or "drafts")
+    fake = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    fake.core = TreeVerifyCore(TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"), DEPTH), DEPTH, MAX_REQS,
+                               MAX_TOKENS, torch.device("cpu"), cuda_graphs=False)
+    fake.batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
+    fake.batch_chains = torch.zeros(MAX_REQS, DEPTH, dtype=torch.int64)
+    fake._drafting_chain, fake.query_cudagraph_manager, fake._chain_graphs = False, "tree graphs", "chain graphs"
+    batch = SimpleNamespace(num_tokens=2, idx_mapping=torch.tensor([4, 1], dtype=torch.int32), num_reqs=2,
+                            num_draft_tokens=0)
+    rest = tuple(f"arg{i}" for i in range(6))
+    for skips_builds, next_drafts, dummy_run, want in [
+        (True, DEPTH, False, (True, "chain graphs")),
+        (True, BUDGET, False, (False, "tree graphs")),
+        (True, DEPTH, True, (False, "tree graphs")),
+        (False, DEPTH, False, (False, "tree graphs")),
+    ]:
+        fake.skips_builds = skips_builds
+        fake.prepare_verify(batch, SimpleNamespace(num_spec_tokens_to_schedule=next_drafts))
+        assert fake.propose(batch, "meta", "slot_maps", torch.zeros(2, 1), None, *rest, dummy_run=dummy_run) == "drafts"
+        assert seen.pop() == want
+        assert (fake._drafting_chain, fake.query_cudagraph_manager) == (False, "tree graphs")  # restored
 
 
 def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(monkeypatch):
@@ -867,7 +935,7 @@ def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(m
                            timer=SimpleNamespace(mark=lambda name: None),
                            handover=SimpleNamespace(file=lambda *a: filed.append(a)))
     fake = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    fake.core, fake.batch_trees, fake.batch_chains = core, "trees", "chains"
+    fake.core, fake.batch_trees, fake.batch_chains, fake.skips_builds = core, "trees", "chains", False
     batch = SimpleNamespace(num_tokens=2, idx_mapping="slots", num_reqs=2)
     hidden = torch.tensor([[10.0], [20.0]])
     rest = tuple(f"arg{i}" for i in range(6))  # num_sampled .. seeds

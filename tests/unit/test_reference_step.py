@@ -20,7 +20,7 @@ import torch
 from ddtree_testkit.reference_step import ToyTarget, reference_step
 from vllm_ddtree.attention.triton_tree import tree_attention
 from vllm_ddtree.kv_compact import kv_compact_torch
-from vllm_ddtree.tree.build import build_tree
+from vllm_ddtree.tree.build import build_chain, build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import RequestSlots, TreeHandover
 from vllm_ddtree.verify_core import TreeVerifyCore
@@ -36,11 +36,13 @@ DEVICE = torch.device("cpu")
 class Scenario:
     """Prefixes in a paged cache, roots and draft logits, the reference step of every request."""
 
-    def __init__(self, seed: int, chain: bool = False):
-        """``chain``: the step verifies the DFlash chains (the chain fallback on, each request fed its tree's first
-        drafts, the widest ``DEPTH``)."""
+    def __init__(self, seed: int, step: str = "tree"):
+        """``step``: "tree"; "chain", the step verifies the DFlash chains (the chain fallback on, each request fed its
+        tree's first drafts, the widest ``DEPTH``); "chain-only", the same step after a drafter that knew it would be
+        a chain step and filed only the chains (``build_chain``), which the runner fed."""
+        chain = step != "tree"
         self.requests = CHAIN_REQUESTS if chain else REQUESTS
-        self.chain = chain
+        self.chain, self.chain_only = chain, step == "chain-only"
         gen = torch.Generator().manual_seed(seed)
         self.target = ToyTarget.random(VOCAB, DIM, seed)
         self.prefixes = [torch.randint(0, VOCAB, (s,), generator=gen).tolist() for _, s, _ in self.requests]
@@ -96,7 +98,10 @@ class Scenario:
         """The drafter's side: the device build of every request's tree, filed under its slot."""
         batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, DEVICE)
         chains = torch.zeros(MAX_REQS, DEPTH, dtype=torch.int64) if self.chain else None
-        build_tree(self.draft_logits, BUDGET, batch_trees, self.roots, chain_out=chains)
+        if self.chain_only:
+            build_chain(self.draft_logits, batch_trees, self.roots, chains)
+        else:
+            build_tree(self.draft_logits, BUDGET, batch_trees, self.roots, chain_out=chains)
         self.batch_trees = batch_trees
         self.handover.file(slots, batch_trees, len(self.requests), chains)
         return batch_trees
@@ -128,7 +133,7 @@ class Scenario:
         if self.chain:  # the runner fed the trees' first drafts, which are not the chains: prepare swapped them
             fed = [self.batch_trees.token_ids[r, 1 : n + 1].tolist() for r, (_, _, n) in enumerate(self.requests)]
             chains = [ref.tree.token_ids[0, 1 : n + 1].tolist() for ref, (_, _, n) in zip(self.refs, self.requests)]
-            assert fed != chains
+            assert (fed == chains) == self.chain_only  # (after build_chain the runner fed the chains themselves)
         else:
             assert any(node != k for ref in self.refs for k, node in enumerate(ref.accepted)), "and off the node order"
 
@@ -140,12 +145,12 @@ def well_conditioned(scenario: Scenario) -> bool:
 
 SEEDS = [0, 1, 7]  # each accepts paths off the node order (checked in Scenario.check)
 CHAIN_SEEDS = [1, 23, 33]  # each accepts a chain of depth >= 2 (checked too)
-STEPS = [pytest.param(seed, False, id=f"tree-{seed}") for seed in SEEDS] + [
-    pytest.param(seed, True, id=f"chain-{seed}") for seed in CHAIN_SEEDS]
+STEPS = [pytest.param(seed, "tree", id=f"tree-{seed}") for seed in SEEDS] + [
+    pytest.param(seed, step, id=f"{step}-{seed}") for step in ("chain", "chain-only") for seed in CHAIN_SEEDS]
 
 
-@pytest.mark.parametrize("seed, chain", STEPS)
-def test_model_runner_v2_adapter_commits_the_reference_step(seed, chain):
+@pytest.mark.parametrize("seed, step", STEPS)
+def test_model_runner_v2_adapter_commits_the_reference_step(seed, step):
     from vllm.v1.worker.gpu.input_batch import (
         InputBuffers,
         combine_sampled_and_draft_tokens,
@@ -156,7 +161,7 @@ def test_model_runner_v2_adapter_commits_the_reference_step(seed, chain):
     from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
     from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
 
-    sc = Scenario(seed, chain)
+    sc = Scenario(seed, step)
     assert well_conditioned(sc)
     idx_mapping = torch.tensor([slot for slot, _, _ in sc.requests], dtype=torch.int32)
     batch_trees = sc.file_trees(idx_mapping)
@@ -207,11 +212,11 @@ def test_model_runner_v2_adapter_commits_the_reference_step(seed, chain):
         assert order[root : root + len(ref.accepted)].tolist() == [root + node for node in ref.accepted]
 
 
-@pytest.mark.parametrize("seed, chain", STEPS)
-def test_v1_adapter_commits_the_reference_step(seed, chain):
+@pytest.mark.parametrize("seed, step", STEPS)
+def test_v1_adapter_commits_the_reference_step(seed, step):
     from vllm_ddtree.v1.sampler import TreeRejectionSampler
 
-    sc = Scenario(seed, chain)
+    sc = Scenario(seed, step)
     assert well_conditioned(sc)
     req_ids = [f"req-{slot}" for slot, _, _ in sc.requests]
     slots = RequestSlots(MAX_REQS)

@@ -11,6 +11,7 @@ import torch
 
 from vllm_ddtree.tree.build import (
     ancestor_bits_from_parents,
+    build_chain,
     build_tree,
     build_tree_from_topk,
     per_depth_topk,
@@ -319,3 +320,33 @@ def test_ancestor_bits_word_boundaries() -> None:
     sets = ancestor_sets_from_bits(bits[0].tolist())
     assert sets == [frozenset(range(i + 1)) for i in range(nodes)]
 
+
+
+@pytest.mark.parametrize("budget, depth", [(8, 4), (40, 33)])  # 33 deep: a chain across two ancestor words
+def test_build_chain_files_the_build_trees_chain_as_a_chain_shaped_tree(budget: int, depth: int) -> None:
+    """What a drafter files when the next step verifies the chain: the chain ``build_tree`` files beside its tree,
+    and as the tree the chain-shaped tree a chain step verifies (``fill_chains``, prepare's reference), over
+    whatever the buffers held; rows past the batch untouched."""
+    from vllm_ddtree.verify_rows import fill_chains
+
+    gen = torch.Generator().manual_seed(depth)
+    rows, vocab = 3, 50
+    logits = torch.randn(rows, depth, vocab, generator=gen)
+    roots = torch.randint(0, vocab, (rows,), generator=gen)
+    want_chains = torch.zeros(rows, depth, dtype=torch.int64)
+    build_tree(logits, budget, TreeBatch.allocate(rows, budget, "cpu"), roots, chain_out=want_chains)
+    out, chains = TreeBatch.allocate(rows + 1, budget, "cpu"), torch.zeros(rows + 1, depth, dtype=torch.int64)
+    build_tree(torch.randn(rows + 1, depth, vocab, generator=gen), budget, out, torch.arange(rows + 1))  # stale
+    stale_row = [getattr(out, name)[rows].clone() for name in ("token_ids", "parents", "num_nodes")]
+    build_chain(logits, out, roots, chains)
+    assert torch.equal(chains[:rows], want_chains)
+    want = TreeBatch.allocate(rows, budget, "cpu")
+    want.token_ids[:, 0] = roots
+    fill_chains(want_chains, torch.full((rows,), depth), want)
+    for name in ("token_ids", "parents", "depths", "ancestor_bits"):
+        assert torch.equal(getattr(out, name)[:rows], getattr(want, name)), name
+    assert out.num_nodes[:rows].tolist() == [depth] * rows
+    assert all(torch.equal(getattr(out, name)[rows], before)
+               for name, before in zip(("token_ids", "parents", "num_nodes"), stale_row))
+    with pytest.raises(ValueError, match="does not fit"):
+        build_chain(logits, TreeBatch.allocate(rows, depth - 1, "cpu"), roots, chains)

@@ -6,7 +6,9 @@ tokens we return in ``req_states.draft_tokens`` and feeds them to the next verif
 positions, i.e. the tree depth. Differences from DFlash:
 
 - ``_generate_draft`` (captured in DFlash's CUDA graphs) builds the trees from the per-depth logits instead of
-  taking the argmax; the tree of batch row r lands in ``batch_trees[r]``;
+  taking the argmax; the tree of batch row r lands in ``batch_trees[r]``. When the scheduler has already given the
+  next step to the chain fallback (``num_spec_tokens_to_schedule``, read in ``prepare_verify``), it files only the
+  chain (``build_chain``), replayed from a second set of draft graphs;
 - ``propose`` first linearises the verified step (``TreeVerifyCore.linearise``: positions back, each accepted path's
   hidden rows right after its root, as MRV2's DFlash input kernel takes every scheduled row as context), runs DFlash
   unchanged, then files each batch row's tree under its request slot (``req_state_idx``) for the next verify step;
@@ -18,6 +20,7 @@ It owns the worker's ``TreeVerifyCore``, which it hands to the sampler patch 000
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any
@@ -34,7 +37,7 @@ from vllm_ddtree.config import chain_fallback, describe_runner
 from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_tensor_parallel_graphs, warn_if_trees_outgrow_graphs
 from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
 from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
-from vllm_ddtree.tree.build import build_tree
+from vllm_ddtree.tree.build import build_chain, build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import TreeHandover
 from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
@@ -64,6 +67,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         # The chain fallback's: each batch row's DFlash chain, filed beside its tree.
         self.batch_chains = (torch.zeros(self.max_num_reqs, chain_depth, dtype=torch.int64, device=device)
                              if chain_depth else None)
+        # When the next step verifies the chain, the drafter files it without a tree build (``build_chain``), from
+        # its own CUDA graphs. Only under async scheduling: MRV2's synchronous path schedules all B drafts again.
+        self.skips_builds = chain_depth > 0 and vllm_config.scheduler_config.async_scheduling
+        self._next_num_drafts: int | None = None  # this step's num_spec_tokens_to_schedule
+        self._drafting_chain = False
+        self._chain_graphs = None  # DFlashCudaGraphManager of the chain-only drafts
         self.synthetic = synthetic_acceptance(spec, device)  # benchmark mode, else None
         self.core = TreeVerifyCore(
             TreeHandover(self.max_num_reqs, self.tree_budget, device, chain_depth), self.tree_depth,
@@ -80,15 +89,35 @@ class DDTreeSpeculator(DFlashSpeculator):
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         """DFlash's, seeing no budget schedule: under one, MRV2's graph manager derives the drafter's query lengths
         as each schedule budget ``b`` plus ``1 + depth - B`` (negative for small ``b``: capture fails), while DDTree's
-        drafter runs ``1 + depth`` queries per request whatever budget the next verify step gets."""
+        drafter runs ``1 + depth`` queries per request whatever budget the next verify step gets. With
+        ``skips_builds``, a second manager too, whose graphs draft only chains."""
         vllm_config = self.vllm_config
-        if vllm_config.speculative_config.num_speculative_tokens_per_batch_size is None:
-            return super().init_cudagraph_manager(cudagraph_mode)
-        self.vllm_config = without_budget_schedule(vllm_config)
+        if vllm_config.speculative_config.num_speculative_tokens_per_batch_size is not None:
+            self.vllm_config = without_budget_schedule(vllm_config)
         try:
             super().init_cudagraph_manager(cudagraph_mode)
+            if self.skips_builds:  # a second set of draft graphs, for chain-only drafts (same global graph pool)
+                tree_graphs = self.query_cudagraph_manager
+                super().init_cudagraph_manager(cudagraph_mode)
+                self._chain_graphs, self.query_cudagraph_manager = self.query_cudagraph_manager, tree_graphs
         finally:
             self.vllm_config = vllm_config
+
+    def capture(self) -> None:
+        super().capture()
+        if self._chain_graphs is not None:
+            with self._drafting_chains():
+                super().capture()
+
+    @contextlib.contextmanager
+    def _drafting_chains(self):
+        """``_generate_draft`` files chains (``build_chain``), through the chain-only graphs."""
+        tree_graphs = self.query_cudagraph_manager
+        self._drafting_chain, self.query_cudagraph_manager = True, self._chain_graphs
+        try:
+            yield
+        finally:
+            self._drafting_chain, self.query_cudagraph_manager = False, tree_graphs
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
@@ -114,8 +143,9 @@ class DDTreeSpeculator(DFlashSpeculator):
     def make_rejection_sampler(self, sampler, rejection_sampler) -> MRV2TreeSampler:
         return MRV2TreeSampler(self, sampler, rejection_sampler)
 
-    def prepare_verify(self, input_batch) -> None:
+    def prepare_verify(self, input_batch, scheduler_output=None) -> None:
         """Right after the slot mapping (every dummy and capture batch has no drafts: nothing to do)."""
+        self._next_num_drafts = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         if input_batch.num_draft_tokens == 0:
             self.core.no_drafts()
             return
@@ -158,7 +188,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         logits = logits.view(num_reqs, self.tree_depth, -1)
         if self.synthetic is not None:
             self.synthetic.confident_drafts(logits)
-        build_tree(logits, self.tree_budget, self.batch_trees, roots, chain_out=self.batch_chains)
+        if self._drafting_chain:
+            build_chain(logits, self.batch_trees, roots, self.batch_chains)
+        else:
+            build_tree(logits, self.tree_budget, self.batch_trees, roots, chain_out=self.batch_chains)
         self.draft_tokens[:num_reqs] = self.batch_trees.token_ids[:num_reqs, 1:]
 
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, *args,
@@ -177,8 +210,11 @@ class DDTreeSpeculator(DFlashSpeculator):
                     last_hidden_states = last_hidden_states[:num_tokens].index_select(0, order)
             core.timer.mark("linearised")
             core.timer.mark("build")
-        draft_tokens = super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                                       aux_hidden_states, *args, dummy_run=dummy_run, **kwargs)
+        chain_only = (self.skips_builds and not dummy_run and self._next_num_drafts is not None
+                      and core.next_step_is_chain(self._next_num_drafts))
+        with self._drafting_chains() if chain_only else contextlib.nullcontext():
+            draft_tokens = super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                                           aux_hidden_states, *args, dummy_run=dummy_run, **kwargs)
         if not dummy_run:  # dummy batches' slots 0..R-1 may belong to live requests
             core.handover.file(input_batch.idx_mapping, self.batch_trees, input_batch.num_reqs, self.batch_chains)
         if step is not None:

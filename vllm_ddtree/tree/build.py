@@ -125,6 +125,7 @@ class _BuildPlan:
 
 _PLANS: dict[tuple, _BuildPlan] = {}
 _SELF_BITS: dict[tuple, torch.Tensor] = {}
+_CHAINS: dict[tuple, TreeBatch] = {}
 
 
 def _build_plan(budget: int, k: int, depth: int, device: torch.device) -> _BuildPlan:
@@ -247,6 +248,44 @@ def build_tree(
     if chain_out is not None:
         chain_out[: top_ids.shape[0]].copy_(top_ids[:, :, 0])
     build_tree_from_topk(top_logp, top_ids, budget, out, root_token_ids, use_triton, triton_sort)
+
+
+def build_chain(draft_logits: torch.Tensor, out: TreeBatch, root_token_ids: torch.Tensor,
+                chain_out: torch.Tensor) -> None:
+    """What the drafter files when the scheduler has already given the next step to the chain fallback: ``chain_out``
+    as ``build_tree`` writes it (each depth's argmax, lowest id among equals) and, in ``out[:R]``, that chain as a
+    tree (node i: parent i - 1, depth i; the rest padding), without the tree build's top-k and beam, which cost
+    about 3% of a chain step on the Qwen3-8B shape (docs/cost-aware-budget.md). The chain-shaped tree keeps the
+    hand-over's invariant: the fed drafts are the filed tree's tokens, and any step that verifies it is lossless."""
+    rows, depth, _ = draft_logits.shape
+    if depth > out.budget:
+        raise ValueError(f"a chain of {depth} drafts does not fit a TreeBatch of budget {out.budget}")
+    template = _chain_template(out.budget, depth, draft_logits.device)
+    chain_out[:rows] = draft_logits.argmax(dim=-1)
+    out.token_ids[:rows, 0] = root_token_ids
+    out.token_ids[:rows, 1 : depth + 1] = chain_out[:rows]
+    out.token_ids[:rows, depth + 1 :] = 0
+    out.parents[:rows] = template.parents
+    out.depths[:rows] = template.depths
+    out.ancestor_bits[:rows] = template.ancestor_bits
+    out.num_nodes[:rows] = depth
+
+
+def _chain_template(budget: int, depth: int, device: torch.device) -> TreeBatch:
+    """One row: the tree of ``budget`` nodes whose first ``depth`` form a chain. Cached."""
+    key = (budget, depth, str(device))
+    template = _CHAINS.get(key)
+    if template is None:
+        template = TreeBatch.allocate(1, budget, device)
+        node = torch.arange(budget + 1, device=device)
+        in_chain = node <= depth
+        template.parents[0] = torch.where(in_chain, node - 1, -1)
+        template.depths[0] = torch.where(in_chain, node, -1)
+        bits = ancestor_bits_from_parents(template.parents, max(depth, 1))
+        template.ancestor_bits[0] = torch.where(in_chain[:, None], bits[0], 0)
+        template.num_nodes[0] = depth
+        _CHAINS[key] = template
+    return template
 
 
 def build_tree_from_topk(

@@ -7,8 +7,9 @@ Patch 0002 builds it instead of ``DFlashProposer``; the runner drives it exactly
    ``1 + m`` rows as context, works unchanged.
 2. The drafter always drafts ``tree_depth`` positions; the per-depth logits ``[R, depth, V]`` become a best-first
    tree per request (``tree.build``, replayed from a CUDA graph for small batches), filed under the request's slot
-   for the next verify step (``TreeHandover``). The runner gets the tree's first B (or this step's budget) tokens,
-   which is what the scheduler schedules.
+   for the next verify step (``TreeHandover``); when the scheduler gave that step to the chain fallback, only the
+   chain is filed, as a chain-shaped tree (``build_chain``). The runner gets the tree's first B (or this step's
+   budget) tokens, which is what the scheduler schedules.
 
 It owns the worker's ``TreeVerifyCore``, which the verifying side (``v1/sampler.py``) is handed by patch 0002.
 """
@@ -34,7 +35,7 @@ from vllm_ddtree.cuda_graphs import (
     warn_if_trees_outgrow_graphs,
 )
 from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
-from vllm_ddtree.tree.build import build_tree
+from vllm_ddtree.tree.build import build_chain, build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import RequestSlots, TreeHandover
 from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
@@ -70,6 +71,8 @@ class DDTreeProposer(DFlashProposer):
         self._slot_ids = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         # The build replays from a CUDA graph for small batches; its inputs are copied into these static buffers.
         self._build_graphs = GraphedStep(self._build_rows, largest_bucket(max_reqs), device, enabled=graphs)
+        self._chain_graphs = GraphedStep(self._chain_rows, largest_bucket(max_reqs), device, enabled=graphs)
+        self._drafting_chain = False  # the next step verifies the chain: file it, build no tree
         self._graph_logits: torch.Tensor | None = None  # [graph rows, depth, vocab], allocated on first use
         self._graph_roots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self._placeholder_drafts = torch.zeros(max_reqs * self.tree_depth, dtype=torch.int64, device=device)
@@ -142,6 +145,7 @@ class DDTreeProposer(DFlashProposer):
         core.timer.mark("linearised")
         num_reqs = common_attn_metadata.batch_size()
         self._root_token_ids = next_token_ids
+        self._drafting_chain = core.next_step_is_chain(num_speculative_tokens)
         super().propose(self.tree_depth, target_token_ids, target_positions, target_hidden_states, next_token_ids,
                         token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs,
                         num_rejected_tokens_gpu, slot_mappings)
@@ -163,14 +167,17 @@ class DDTreeProposer(DFlashProposer):
             logits = type(self).draft_logits_hook(self, logits)
         if self.synthetic is not None:
             self.synthetic.confident_drafts(logits)
-        if self._build_graphs.replays(num_reqs):
+        graphs = self._chain_graphs if self._drafting_chain else self._build_graphs
+        if graphs.replays(num_reqs):
             if self._graph_logits is None:
                 self._graph_logits = torch.zeros(
-                    (self._build_graphs.max_rows, *logits.shape[1:]), dtype=logits.dtype, device=logits.device
+                    (graphs.max_rows, *logits.shape[1:]), dtype=logits.dtype, device=logits.device
                 )
             self._graph_logits[:num_reqs].copy_(logits)
             self._graph_roots[:num_reqs].copy_(self._root_token_ids)
-            self._build_graphs(num_reqs)
+            graphs(num_reqs)
+        elif self._drafting_chain:
+            build_chain(logits, self.draft_trees, self._root_token_ids, self.draft_chains)
         else:
             build_tree(logits, self.tree_budget, self.draft_trees, self._root_token_ids, chain_out=self.draft_chains)
         self.core.timer.mark("built")
@@ -180,4 +187,8 @@ class DDTreeProposer(DFlashProposer):
         """The graphed build: rows [:rows] of the static logits/roots buffers into ``draft_trees``."""
         build_tree(self._graph_logits[:rows], self.tree_budget, self.draft_trees, self._graph_roots[:rows],
                    chain_out=self.draft_chains)
+
+    def _chain_rows(self, rows: int) -> None:
+        """The graphed chain-only draft (the next step verifies the chain): as ``_build_rows``, no tree build."""
+        build_chain(self._graph_logits[:rows], self.draft_trees, self._graph_roots[:rows], self.draft_chains)
 

@@ -214,17 +214,28 @@ def _schedule_budget_choices(spec: Any) -> None:
 def settle_budget_policy(vllm_config: Any) -> None:
     """Patch 0001 calls this once the VllmConfig knows its model runner, before CUDA-graph sizes are set. Without a
     budget from the user, an engine on Model Runner V2 gets the cost-aware budget over ``DEFAULT_TREE_BUDGETS``
-    (its runner captures every verify width in full graphs); on the V1 runner, or beside the user's own
-    ``--scheduler-cls``, the budget stays ``DEFAULT_TREE_BUDGET``. With ``tree_budgets`` the engine runs
-    ``scheduler.make_scheduler``."""
+    (its runner captures every verify width in full graphs); on the V1 runner, beside the user's own
+    ``--scheduler-cls``, or on Model Runner V2 without async scheduling, the budget stays ``DEFAULT_TREE_BUDGET``.
+    With ``tree_budgets`` the engine runs ``scheduler.make_scheduler``.
+
+    Model Runner V2 without async scheduling hands the scheduler all B drafts of the step before (its
+    ``DraftTokensHandler`` returns B placeholders), so a budget picked per step would never be verified there."""
     spec = vllm_config.speculative_config
     scheduler_config = vllm_config.scheduler_config
-    if spec.tree_budget_is_default and scheduler_config.scheduler_cls is None and vllm_config.use_v2_model_runner:
+    mrv2_sync = vllm_config.use_v2_model_runner and getattr(scheduler_config, "async_scheduling", None) is False
+    if (spec.tree_budget_is_default and scheduler_config.scheduler_cls is None and vllm_config.use_v2_model_runner
+            and not mrv2_sync):
         # A tree budget equal to tree_depth would verify as many drafts as a chain step: the chain takes that width.
         spec.tree_budgets = [b for b in DEFAULT_TREE_BUDGETS if b != spec.tree_depth]
         _expand_tree_budgets(spec)
     if spec.tree_budgets is None:
         return
+    if mrv2_sync:
+        raise DDTreeConfigError(
+            "ddtree tree_budgets needs async scheduling on Model Runner V2 (synchronously it schedules every request "
+            "all the drafts of the step before, whatever budget is picked); drop --no-async-scheduling, or give one "
+            "budget as num_speculative_tokens"
+        )
     ours = "vllm_ddtree.scheduler.make_scheduler"
     if scheduler_config.scheduler_cls not in (None, ours):
         raise DDTreeConfigError(

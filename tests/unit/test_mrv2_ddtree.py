@@ -127,7 +127,7 @@ def test_drafter_graphs_have_one_query_length_under_a_budget_schedule(monkeypatc
     """MRV2's graph manager derives per-schedule query lengths as ``b + (query length - B)``: for DDTree's drafter
     (``1 + depth`` queries, B = 64) that is 16 - 48 = -32 at b = 16. The drafter's graphs must all be ``1 + depth``
     wide (the target's follow the schedule: vLLM's own derivation, right for a verify of ``1 + b`` rows). With the
-    chain fallback under async scheduling (``skips_builds``) a second manager captures the chain-only drafts."""
+    chain fallback (``skips_builds``) a second manager captures the chain-only drafts."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu import cudagraph_utils
     from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator
@@ -203,6 +203,27 @@ def test_without_a_budget_model_runner_v2_gets_the_cost_aware_budget(on_mrv2):
         assert spec.tree_budgets is None and spec.num_speculative_tokens_per_batch_size is None
         assert config.scheduler_config.scheduler_cls is None
         assert "node budget 64 (ddtree's default" in ddtree_config.describe_runner(config, on_mrv2=False)
+
+
+def test_model_runner_v2_without_async_scheduling_keeps_one_budget():
+    """Synchronously, Model Runner V2 schedules every request all B drafts of the step before: the default keeps
+    B=64 there, and the user's tree_budgets is refused at start-up with the fix named."""
+    config = mrv2_vllm_config(speculative_config__tree_budget_is_default=True, speculative_config__tree_depth=15,
+                              scheduler_config__async_scheduling=False)
+    config.use_v2_model_runner = True
+    ddtree_config.settle_budget_policy(config)
+    spec = config.speculative_config
+    assert (spec.tree_budgets, spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size) == (
+        None, 64, None)
+    assert "node budget 64 (ddtree's default" in ddtree_config.describe_runner(config, on_mrv2=True)
+    config = mrv2_vllm_config(speculative_config__tree_budgets=["chain", 16], scheduler_config__async_scheduling=False,
+                              speculative_config__num_speculative_tokens_per_batch_size=[[1, 1, 16], [2, 2, 15]])
+    config.use_v2_model_runner = True
+    with pytest.raises(ddtree_config.DDTreeConfigError, match="--no-async-scheduling"):
+        ddtree_config.settle_budget_policy(config)
+    config.scheduler_config.async_scheduling = True
+    ddtree_config.settle_budget_policy(config)
+    assert config.scheduler_config.scheduler_cls == "vllm_ddtree.scheduler.make_scheduler"
 
 
 def test_the_default_leaves_a_chain_steps_width_to_the_chain():

@@ -68,8 +68,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.batch_chains = (torch.zeros(self.max_num_reqs, chain_depth, dtype=torch.int64, device=device)
                              if chain_depth else None)
         # When the next step verifies the chain, the drafter files it without a tree build (``build_chain``), from
-        # its own CUDA graphs. Only under async scheduling: MRV2's synchronous path schedules all B drafts again.
-        self.skips_builds = chain_depth > 0 and vllm_config.scheduler_config.async_scheduling
+        # its own CUDA graphs. (The chain fallback runs on MRV2 only with async scheduling: settle_budget_policy.)
+        self.skips_builds = chain_depth > 0
         self._next_num_drafts: int | None = None  # this step's num_spec_tokens_to_schedule
         self._drafting_chain = False
         self._chain_graphs = None  # DFlashCudaGraphManager of the chain-only drafts

@@ -191,4 +191,3 @@ class DDTreeProposer(DFlashProposer):
     def _chain_rows(self, rows: int) -> None:
         """The graphed chain-only draft (the next step verifies the chain): as ``_build_rows``, no tree build."""
         build_chain(self._graph_logits[:rows], self.draft_trees, self._graph_roots[:rows], self.draft_chains)
-

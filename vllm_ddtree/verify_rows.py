@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.tree.build import ancestor_bits_from_parents
+from vllm_ddtree.tree.build import fill_chains
 from vllm_ddtree.tree.layout import TreeBatch
 
 TREE_FIELDS = ("token_ids", "parents", "depths", "ancestor_bits")
@@ -114,23 +114,6 @@ def chain_order(accepted: torch.Tensor, root_rows: torch.Tensor, num_rows: int) 
     order = torch.arange(num_rows + 1, device=device)
     order.scatter_(0, dest.reshape(-1), torch.where(acc >= 0, root + acc, num_rows).reshape(-1))
     return order[:num_rows]
-
-
-def fill_chains(chains: torch.Tensor, num_drafts: torch.Tensor, verify: TreeBatch) -> None:
-    """Rows ``[:R]`` of ``verify`` become chains: node i (1 <= i <= num_drafts[r]) is ``chains[r, i - 1]`` with
-    parent i - 1 and depth i, the rest padding; the roots' tokens stay."""
-    num_reqs, depth = chains.shape
-    n = verify.token_ids.shape[1]
-    device = chains.device
-    node = torch.arange(n, device=device)[None, :]
-    in_chain = (node <= num_drafts[:, None]) & (node <= depth)
-    padded = torch.cat([verify.token_ids[:num_reqs, :1], chains, chains.new_zeros(num_reqs, max(n - 1 - depth, 0))],
-                       dim=1)[:, :n]
-    verify.token_ids[:num_reqs] = torch.where(in_chain, padded, 0)
-    verify.parents[:num_reqs] = torch.where(in_chain, node - 1, -1).to(verify.parents.dtype)
-    verify.depths[:num_reqs] = torch.where(in_chain, node, -1).to(verify.depths.dtype)
-    bits = ancestor_bits_from_parents(verify.parents[:num_reqs], max(depth, 1))
-    verify.ancestor_bits[:num_reqs] = torch.where(in_chain[:, :, None], bits, 0)
 
 
 # ---------------------------------------------------------------------------------------------- prepare

@@ -632,8 +632,8 @@ def test_chain_step_verifies_the_chains_on_causal_rows_in_kernel_and_reference(s
 
 def test_chain_ancestor_bits_fill_whole_words_in_kernel_and_reference():
     """Chains past 32 nodes: bit 31 (a negative int32) and full words, as ``ancestor_bits_from_parents`` has them."""
-    from vllm_ddtree.tree.build import ancestor_bits_from_parents
-    from vllm_ddtree.verify_rows import RowBuffers, RowInputs, fill_chains, prepare_rows_triton
+    from vllm_ddtree.tree.build import ancestor_bits_from_parents, fill_chains
+    from vllm_ddtree.verify_rows import RowBuffers, RowInputs, prepare_rows_triton
 
     depth, budget, slot = 40, 48, 1
     handover = TreeHandover(2, budget, torch.device("cpu"), depth)

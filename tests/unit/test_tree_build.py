@@ -14,6 +14,7 @@ from vllm_ddtree.tree.build import (
     build_chain,
     build_tree,
     build_tree_from_topk,
+    fill_chains,
     per_depth_topk,
     sort_descending,
 )
@@ -327,8 +328,6 @@ def test_build_chain_files_the_build_trees_chain_as_a_chain_shaped_tree(budget: 
     """What a drafter files when the next step verifies the chain: the chain ``build_tree`` files beside its tree,
     and as the tree the chain-shaped tree a chain step verifies (``fill_chains``, prepare's reference), over
     whatever the buffers held; rows past the batch untouched."""
-    from vllm_ddtree.verify_rows import fill_chains
-
     gen = torch.Generator().manual_seed(depth)
     rows, vocab = 3, 50
     logits = torch.randn(rows, depth, vocab, generator=gen)

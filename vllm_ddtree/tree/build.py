@@ -272,20 +272,35 @@ def build_chain(draft_logits: torch.Tensor, out: TreeBatch, root_token_ids: torc
 
 
 def _chain_template(budget: int, depth: int, device: torch.device) -> TreeBatch:
-    """One row: the tree of ``budget`` nodes whose first ``depth`` form a chain. Cached."""
+    """One row: the tree of ``budget`` nodes whose first ``depth`` form a chain (its tokens 0). Cached. Written by
+    ``fill_chains``, so a filed chain and the chain a chain step verifies have one writer."""
     key = (budget, depth, str(device))
     template = _CHAINS.get(key)
     if template is None:
         template = TreeBatch.allocate(1, budget, device)
-        node = torch.arange(budget + 1, device=device)
-        in_chain = node <= depth
-        template.parents[0] = torch.where(in_chain, node - 1, -1)
-        template.depths[0] = torch.where(in_chain, node, -1)
-        bits = ancestor_bits_from_parents(template.parents, max(depth, 1))
-        template.ancestor_bits[0] = torch.where(in_chain[:, None], bits[0], 0)
+        fill_chains(torch.zeros(1, depth, dtype=torch.int64, device=device),
+                    torch.tensor([depth], device=device), template)
         template.num_nodes[0] = depth
         _CHAINS[key] = template
     return template
+
+
+def fill_chains(chains: torch.Tensor, num_drafts: torch.Tensor, verify: TreeBatch) -> None:
+    """Rows ``[:R]`` of ``verify`` become chains: node i (1 <= i <= num_drafts[r]) is ``chains[r, i - 1]`` with
+    parent i - 1 and depth i, the rest padding; the roots' tokens stay. The one writer of chain-shaped trees: the
+    tree a chain step verifies (``verify_rows.prepare_rows_torch``, the kernel's reference) and ``build_chain``'s."""
+    num_reqs, depth = chains.shape
+    n = verify.token_ids.shape[1]
+    device = chains.device
+    node = torch.arange(n, device=device)[None, :]
+    in_chain = (node <= num_drafts[:, None]) & (node <= depth)
+    padded = torch.cat([verify.token_ids[:num_reqs, :1], chains, chains.new_zeros(num_reqs, max(n - 1 - depth, 0))],
+                       dim=1)[:, :n]
+    verify.token_ids[:num_reqs] = torch.where(in_chain, padded, 0)
+    verify.parents[:num_reqs] = torch.where(in_chain, node - 1, -1).to(verify.parents.dtype)
+    verify.depths[:num_reqs] = torch.where(in_chain, node, -1).to(verify.depths.dtype)
+    bits = ancestor_bits_from_parents(verify.parents[:num_reqs], max(depth, 1))
+    verify.ancestor_bits[:num_reqs] = torch.where(in_chain[:, :, None], bits, 0)
 
 
 def build_tree_from_topk(

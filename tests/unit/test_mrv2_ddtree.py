@@ -121,13 +121,13 @@ class _SpecWithSchedule(SimpleNamespace):
         return self.num_speculative_tokens_per_batch_size is not None
 
 
-@pytest.mark.parametrize("skips_builds", [False, True], ids=["trees", "and-chains"])
+@pytest.mark.parametrize("has_chains", [False, True], ids=["trees", "and-chains"])
 @pytest.mark.parametrize("schedule", [None, [[1, 1, 64], [2, 8, 16], [9, 64, 4]]])
-def test_drafter_graphs_have_one_query_length_under_a_budget_schedule(monkeypatch, schedule, skips_builds):
+def test_drafter_graphs_have_one_query_length_under_a_budget_schedule(monkeypatch, schedule, has_chains):
     """MRV2's graph manager derives per-schedule query lengths as ``b + (query length - B)``: for DDTree's drafter
     (``1 + depth`` queries, B = 64) that is 16 - 48 = -32 at b = 16. The drafter's graphs must all be ``1 + depth``
     wide (the target's follow the schedule: vLLM's own derivation, right for a verify of ``1 + b`` rows). With the
-    chain fallback (``skips_builds``) a second manager captures the chain-only drafts."""
+    chain fallback (``batch_chains``) a second manager captures the chain-only drafts."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu import cudagraph_utils
     from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator
@@ -149,21 +149,22 @@ def test_drafter_graphs_have_one_query_length_under_a_budget_schedule(monkeypatc
     drafter.vllm_config, drafter.device, drafter.num_query_per_req = vllm_config, "cpu", 1 + depth
     drafter.attn_cg_support = SimpleNamespace(
         min_cg_support=dflash_speculator.AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="FLASH_ATTN")
-    drafter.skips_builds, drafter._chain_graphs, drafter._drafting_chain = skips_builds, None, False
+    drafter.batch_chains = torch.zeros(max_seqs, depth, dtype=torch.int64) if has_chains else None
+    drafter._chain_graphs, drafter._drafting_chain = None, False
     drafter.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
     manager = drafter.query_cudagraph_manager
-    managers = [manager] + ([drafter._chain_graphs] if skips_builds else [])
+    managers = [manager] + ([drafter._chain_graphs] if has_chains else [])
     for each in managers:
         widths = {d.uniform_token_count for descs in each._capture_descs.values() for d in descs}
         assert widths == {1 + depth}
         assert each.vllm_config.speculative_config.num_speculative_tokens_per_batch_size is None
     assert drafter.vllm_config is vllm_config  # the view was the managers' only
-    assert (drafter._chain_graphs is not None) == skips_builds and drafter._chain_graphs is not manager
+    assert (drafter._chain_graphs is not None) == has_chains and drafter._chain_graphs is not manager
     captured = []
     monkeypatch.setattr(dflash_speculator.DFlashSpeculator, "capture",
                         lambda self: captured.append((self._drafting_chain, self.query_cudagraph_manager)))
     drafter.capture()
-    assert captured == [(False, manager)] + ([(True, drafter._chain_graphs)] if skips_builds else [])
+    assert captured == [(False, manager)] + ([(True, drafter._chain_graphs)] if has_chains else [])
     assert (drafter._drafting_chain, drafter.query_cudagraph_manager) == (False, manager)
 
 
@@ -912,7 +913,7 @@ def test_generate_draft_files_only_the_chain_when_the_next_step_verifies_it(monk
 def test_a_step_before_a_chain_step_drafts_through_the_chain_only_graphs(monkeypatch):
     """The draft count vLLM's scheduler fixed for the next step reaches the speculator through patch 0004's hook;
     when it is the chain's, DFlash's ``propose`` runs on the chain-only graphs with ``_generate_draft`` filing
-    chains. Any other count, a dummy run, or a drafter that does not skip builds drafts trees."""
+    chains. Any other count, a dummy run, or a drafter without the chain fallback (no chains) drafts trees."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     from vllm_ddtree.mrv2.speculator import DDTreeSpeculator
@@ -921,21 +922,22 @@ def test_a_step_before_a_chain_step_drafts_through_the_chain_only_graphs(monkeyp
     monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **kw: seen.append(
         (self._drafting_chain, self.query_cudagraph_manager)) or "drafts")
     fake = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    fake.core = TreeVerifyCore(TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"), DEPTH), DEPTH, MAX_REQS,
-                               MAX_TOKENS, torch.device("cpu"), cuda_graphs=False)
+    cores = {chain_depth: TreeVerifyCore(TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"), chain_depth), DEPTH,
+                                         MAX_REQS, MAX_TOKENS, torch.device("cpu"), cuda_graphs=False)
+             for chain_depth in (DEPTH, 0)}  # with the chain fallback, and without (no chains)
     fake.batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
-    fake.batch_chains = torch.zeros(MAX_REQS, DEPTH, dtype=torch.int64)
     fake._drafting_chain, fake.query_cudagraph_manager, fake._chain_graphs = False, "tree graphs", "chain graphs"
     batch = SimpleNamespace(num_tokens=2, idx_mapping=torch.tensor([4, 1], dtype=torch.int32), num_reqs=2,
                             num_draft_tokens=0)
     rest = tuple(f"arg{i}" for i in range(6))
-    for skips_builds, next_drafts, dummy_run, want in [
-        (True, DEPTH, False, (True, "chain graphs")),
-        (True, BUDGET, False, (False, "tree graphs")),
-        (True, DEPTH, True, (False, "tree graphs")),
-        (False, DEPTH, False, (False, "tree graphs")),
+    for chain_depth, next_drafts, dummy_run, want in [
+        (DEPTH, DEPTH, False, (True, "chain graphs")),
+        (DEPTH, BUDGET, False, (False, "tree graphs")),
+        (DEPTH, DEPTH, True, (False, "tree graphs")),
+        (0, DEPTH, False, (False, "tree graphs")),
     ]:
-        fake.skips_builds = skips_builds
+        fake.core = cores[chain_depth]
+        fake.batch_chains = torch.zeros(MAX_REQS, DEPTH, dtype=torch.int64) if chain_depth else None
         fake.prepare_verify(batch, SimpleNamespace(num_spec_tokens_to_schedule=next_drafts))
         assert fake.propose(batch, "meta", "slot_maps", torch.zeros(2, 1), None, *rest, dummy_run=dummy_run) == "drafts"
         assert seen.pop() == want
@@ -956,7 +958,7 @@ def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(m
                            timer=SimpleNamespace(mark=lambda name: None),
                            handover=SimpleNamespace(file=lambda *a: filed.append(a)))
     fake = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    fake.core, fake.batch_trees, fake.batch_chains, fake.skips_builds = core, "trees", "chains", False
+    fake.core, fake.batch_trees, fake.batch_chains, fake._next_num_drafts = core, "trees", "chains", None
     batch = SimpleNamespace(num_tokens=2, idx_mapping="slots", num_reqs=2)
     hidden = torch.tensor([[10.0], [20.0]])
     rest = tuple(f"arg{i}" for i in range(6))  # num_sampled .. seeds

@@ -64,12 +64,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._anchor_idx = torch.arange(self.max_num_reqs, dtype=torch.int64, device=device) * self.num_query_per_req
         self.batch_trees = TreeBatch.allocate(self.max_num_reqs, self.tree_budget, device)  # by batch row
         chain_depth = self.tree_depth if chain_fallback(spec) else 0
-        # The chain fallback's: each batch row's DFlash chain, filed beside its tree.
+        # The chain fallback's: each batch row's DFlash chain, filed beside its tree. When the next step verifies
+        # the chain, the drafter files it without a tree build (``build_chain``), from its own CUDA graphs. (The
+        # chain fallback runs on MRV2 only with async scheduling: settle_budget_policy.)
         self.batch_chains = (torch.zeros(self.max_num_reqs, chain_depth, dtype=torch.int64, device=device)
                              if chain_depth else None)
-        # When the next step verifies the chain, the drafter files it without a tree build (``build_chain``), from
-        # its own CUDA graphs. (The chain fallback runs on MRV2 only with async scheduling: settle_budget_policy.)
-        self.skips_builds = chain_depth > 0
         self._next_num_drafts: int | None = None  # this step's num_spec_tokens_to_schedule
         self._drafting_chain = False
         self._chain_graphs = None  # DFlashCudaGraphManager of the chain-only drafts
@@ -89,14 +88,14 @@ class DDTreeSpeculator(DFlashSpeculator):
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         """DFlash's, seeing no budget schedule: under one, MRV2's graph manager derives the drafter's query lengths
         as each schedule budget ``b`` plus ``1 + depth - B`` (negative for small ``b``: capture fails), while DDTree's
-        drafter runs ``1 + depth`` queries per request whatever budget the next verify step gets. With
-        ``skips_builds``, a second manager too, whose graphs draft only chains."""
+        drafter runs ``1 + depth`` queries per request whatever budget the next verify step gets. With the
+        chain fallback (``batch_chains``), a second manager too, whose graphs draft only chains."""
         vllm_config = self.vllm_config
         if vllm_config.speculative_config.num_speculative_tokens_per_batch_size is not None:
             self.vllm_config = without_budget_schedule(vllm_config)
         try:
             super().init_cudagraph_manager(cudagraph_mode)
-            if self.skips_builds:  # a second set of draft graphs, for chain-only drafts (same global graph pool)
+            if self.batch_chains is not None:  # a second set of draft graphs, chain-only (same global graph pool)
                 tree_graphs = self.query_cudagraph_manager
                 super().init_cudagraph_manager(cudagraph_mode)
                 self._chain_graphs, self.query_cudagraph_manager = self.query_cudagraph_manager, tree_graphs
@@ -210,8 +209,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                     last_hidden_states = last_hidden_states[:num_tokens].index_select(0, order)
             core.timer.mark("linearised")
             core.timer.mark("build")
-        chain_only = (self.skips_builds and not dummy_run and self._next_num_drafts is not None
-                      and core.next_step_is_chain(self._next_num_drafts))
+        chain_only = (not dummy_run and self._next_num_drafts is not None
+                      and core.next_step_is_chain(self._next_num_drafts))  # (False without the chain fallback)
         with self._drafting_chains() if chain_only else contextlib.nullcontext():
             draft_tokens = super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                                            aux_hidden_states, *args, dummy_run=dummy_run, **kwargs)

@@ -345,6 +345,9 @@ def test_build_chain_files_the_build_trees_chain_as_a_chain_shaped_tree(budget: 
     for name in ("token_ids", "parents", "depths", "ancestor_bits"):
         assert torch.equal(getattr(out, name)[:rows], getattr(want, name)), name
     assert out.num_nodes[:rows].tolist() == [depth] * rows
+    node = torch.arange(out.parents.shape[1])  # spelt out too: fill_chains is also build_chain's writer
+    assert torch.equal(out.parents[:rows].long(), torch.where(node <= depth, node - 1, -1).expand(rows, -1))
+    assert torch.equal(out.depths[:rows].long(), torch.where(node <= depth, node, -1).expand(rows, -1))
     assert all(torch.equal(getattr(out, name)[rows], before)
                for name, before in zip(("token_ids", "parents", "num_nodes"), stale_row))
     with pytest.raises(ValueError, match="does not fit"):

@@ -31,6 +31,7 @@ there (hybrid models) and the CPU engine. ``describe_runner`` is the start-up li
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -459,3 +460,13 @@ def validate_ddtree_request(params: Any) -> None:
         raise ValueError("bad_words is not supported with ddtree speculative decoding yet")
     if params.structured_outputs is not None:
         raise ValueError("structured outputs are not supported with ddtree speculative decoding yet")
+
+
+def without_budget_schedule(vllm_config: Any) -> Any:
+    """A shallow view of ``vllm_config`` whose speculative config has no ``num_speculative_tokens_per_batch_size``
+    (copies, not ``dataclasses.replace``: no ``__post_init__`` runs again); every other part is shared."""
+    spec = copy.copy(vllm_config.speculative_config)
+    spec.num_speculative_tokens_per_batch_size = None
+    view = copy.copy(vllm_config)
+    view.speculative_config = spec
+    return view

@@ -1,27 +1,23 @@
 """DDTreeSpeculator: Model Runner V2's adapter on the drafting side (its DFlash speculator, trees instead of a chain).
 
 Patch 0004's ``init_speculator`` hook builds it. The runner treats it as a DFlash speculator with ``K = B`` drafts
-per request (config.py sets ``num_speculative_tokens`` to the budget B and caps the depth by it): it stores the B tree
-tokens we return in ``req_states.draft_tokens`` and feeds them to the next verify step. Inside, "steps" are DFlash
-positions, i.e. the tree depth. Differences from DFlash:
+per request (config.py sets ``num_speculative_tokens`` to the budget B): it stores the B tree tokens we return in
+``req_states.draft_tokens`` and feeds them to the next verify step. Inside, "steps" are DFlash positions (the depth).
 
-- ``_generate_draft`` (captured in DFlash's CUDA graphs) builds the trees from the per-depth logits instead of
-  taking the argmax; the tree of batch row r lands in ``batch_trees[r]``. When the scheduler has already given the
-  next step to the chain fallback (``num_spec_tokens_to_schedule``, read in ``prepare_verify``), it files only the
-  chain (``build_chain``), replayed from a second set of draft graphs;
-- ``propose`` first linearises the verified step (``TreeVerifyCore.linearise``: positions back, each accepted path's
-  hidden rows right after its root, as MRV2's DFlash input kernel takes every scheduled row as context), runs DFlash
-  unchanged, then files each batch row's tree under its request slot (``req_state_idx``) for the next verify step;
-- ``prepare_verify`` and ``make_rejection_sampler`` are patch 0004's other two hooks: MRV2's input batch becomes
-  ``RowInputs`` for the core, and the rejection sampler's slot gets ``mrv2/sampler.py``.
-
-It owns the worker's ``TreeVerifyCore``, which it hands to the sampler patch 0004 builds.
+- ``_generate_draft`` (in DFlash's CUDA graphs) builds the trees from the per-depth logits instead of the argmax,
+  batch row r's into ``batch_trees[r]``; when the scheduler already gave the next step to the chain
+  (``num_spec_tokens_to_schedule``, read in ``prepare_verify``), only the chain (``build_chain``), from a second set
+  of draft graphs;
+- ``propose`` linearises the verified step first (``TreeVerifyCore.linearise``: MRV2's DFlash input kernel takes every
+  scheduled row as context, so each accepted path must follow its root), runs DFlash, then files each row's tree
+  under its request slot for the next verify step;
+- ``prepare_verify`` and ``make_rejection_sampler``, patch 0004's other hooks: the input batch becomes the core's
+  ``RowInputs``; the rejection sampler's slot gets ``mrv2/sampler.py``, which shares this speculator's core.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from typing import Any
 
@@ -33,7 +29,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree import LOGGER_NAME
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.config import chain_fallback, describe_runner
+from vllm_ddtree.config import chain_fallback, describe_runner, without_budget_schedule
 from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_tensor_parallel_graphs, warn_if_trees_outgrow_graphs
 from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
 from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
@@ -76,8 +72,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.core = TreeVerifyCore(
             TreeHandover(self.max_num_reqs, self.tree_budget, device, chain_depth), self.tree_depth,
             self.max_num_reqs, self.max_num_tokens, device, cuda_graphs=graphs_enabled(vllm_config, device),
-            verify_widths=verify_widths(spec), synthetic=self.synthetic,
-        )
+            verify_widths=verify_widths(spec), synthetic=self.synthetic)
         # Runs in the runner's __init__, before the target model is built: its layers get the tree backends.
         tree_backends.check_attention_config(vllm_config)
         tree_backends.install()
@@ -129,13 +124,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         draft_layers = set(self.draft_attn_layer_names)
         tree_backends.prepare_target_layers(
             {n: m for n, m in forward_context.items() if isinstance(m, Attention) and n not in draft_layers},
-            self.core.attention, self.device,
-        )
-
-    def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups):
-        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups)
-        self.block_tables = block_tables
-        self.kv_cache_config = kv_cache_config
+            self.core.attention, self.device)
 
     # ------------------------------------------------------------------ patch 0004 hooks
 
@@ -149,16 +138,10 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.core.no_drafts()
             return
         num_reqs = input_batch.num_reqs
-        rows = RowInputs(
-            slots=input_batch.idx_mapping,
-            cu_num_logits=input_batch.cu_num_logits,
-            logits_indices=input_batch.logits_indices,
-            input_ids=input_batch.input_ids,
-            positions=input_batch.positions,
-            mrope_positions=None,
-            num_reqs=num_reqs,
-            num_tokens=input_batch.num_tokens,
-        )
+        rows = RowInputs(slots=input_batch.idx_mapping, cu_num_logits=input_batch.cu_num_logits,
+                         logits_indices=input_batch.logits_indices, input_ids=input_batch.input_ids,
+                         positions=input_batch.positions, mrope_positions=None, num_reqs=num_reqs,
+                         num_tokens=input_batch.num_tokens)
         self.core.prepare(rows, np.asarray(input_batch.num_draft_tokens_per_req[:num_reqs]))
 
     def bind_kv_caches(self) -> None:
@@ -168,15 +151,9 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     # ------------------------------------------------------------------ drafting
 
-    def _generate_draft(
-        self,
-        num_reqs: int,
-        num_tokens_padded: int,
-        attn_metadata: dict[str, Any] | None,
-        slot_mappings: dict[str, torch.Tensor] | None,
-        num_tokens_across_dp: torch.Tensor | None,
-        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
-    ) -> None:
+    def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata: dict[str, Any] | None,
+                        slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None,
+                        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE) -> None:
         """DFlash's forward, then the tree build; static shapes, no host sync, so DFlash's graphs capture it."""
         hidden_states = self._run_model(
             num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode
@@ -220,12 +197,3 @@ class DDTreeSpeculator(DFlashSpeculator):
             core.timer.mark("built")
         return draft_tokens
 
-
-def without_budget_schedule(vllm_config: VllmConfig) -> VllmConfig:
-    """A shallow view of ``vllm_config`` whose speculative config has no ``num_speculative_tokens_per_batch_size``
-    (copies, not ``dataclasses.replace``: no ``__post_init__`` runs again); every other part is shared."""
-    spec = copy.copy(vllm_config.speculative_config)
-    spec.num_speculative_tokens_per_batch_size = None
-    view = copy.copy(vllm_config)
-    view.speculative_config = spec
-    return view

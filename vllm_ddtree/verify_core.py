@@ -222,7 +222,6 @@ class TreeVerifyCore:
         without building a tree (``tree.build.build_chain``)."""
         return self.handover.chains is not None and next_num_drafts == self.depth
 
-
     def take_step(self) -> VerifyStep | None:
         """The step verified since the last draft (walked, or at least prepared), once."""
         step, self._in_flight = self._in_flight, None

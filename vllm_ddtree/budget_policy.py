@@ -7,8 +7,11 @@ scheduler picks the budget b that maximises expected tokens per second,
 
     n * (1 + accepted(b)) / step_time(n, b)
 
-- ``accepted(b)``: mean accepted drafts over the last ``window`` requests verified at b (a step at batch 1 gives
-  one sample, and one request's acceptance varies from 0 to the tree's depth: an average over requests, not steps);
+- ``accepted(b)``: mean accepted drafts over the last ``window`` requests that tell what b accepts (a step at batch
+  1 gives one sample, and one request's acceptance varies from 0 to the tree's depth: an average over requests, not
+  steps). Where the engine reports it (``observe_step(by_choice=)``, acceptance_by_choice.py), a request verified at
+  budget B tells every smaller choice's acceptance on the same tokens, the chain's too, so the windows compare
+  choices on the same prompts; otherwise only requests verified at b count;
 - ``step_time(n, b)``: median of the last ``time_window`` wall times between consecutive step outputs, for steps
   of n's batch bucket (n rounded up to a power of two) verified at b; only steps that verified trees and nothing
   else, after a step that did the same, so prefills and idle gaps do not count. A median, not a moving average:
@@ -33,6 +36,8 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 
 class _Recent:
@@ -75,6 +80,7 @@ class CostAwareBudget:
         self.step_time: dict[tuple[int, int], _Recent] = {}
         self.choices: dict[int, int] = {}  # per bucket: steps chosen so far
         self.verified: dict[tuple[int, int], int] = {}  # (bucket, budget): verify-only steps seen
+        self.counterfactual = dict.fromkeys(self.budgets, 0)  # samples from steps verified at another budget
         self._step_accepted: list[int] = []
         self._last_output: float | None = None
         self._last_clean = False
@@ -114,15 +120,28 @@ class CostAwareBudget:
         """One request of the step whose output is being processed: the drafts it accepted."""
         self._step_accepted.append(num_accepted_tokens)
 
-    def observe_step(self, batch_size: int, budget: int, verify_only: bool) -> None:
+    def observe_step(self, batch_size: int, budget: int, verify_only: bool, by_choice=None) -> None:
         """A step's output arrived (after its ``observe_request`` calls). ``verify_only``: every request of the step
-        verified exactly ``budget`` drafts and nothing else ran (no prefill chunk)."""
+        verified exactly ``budget`` drafts and nothing else ran (no prefill chunk). ``by_choice`` ``[requests,
+        choices]`` (-1: unknown; columns in ``budgets`` order): what each choice would have accepted for each
+        request verified in the step; it then stands for the ``observe_request`` samples, and every choice's window
+        takes its known entries."""
         now = self.clock()
         accepted, self._step_accepted = self._step_accepted, []
+        if by_choice is not None:
+            by_choice = np.asarray(by_choice)
+            if by_choice.ndim != 2 or by_choice.shape[1] != len(self.budgets):
+                raise ValueError(f"by_choice has shape {by_choice.shape}, expected [requests, {len(self.budgets)}]: "
+                                 f"one column per choice {self.budgets}")
         if verify_only and budget in self.accepted:
             key = (batch_bucket(batch_size), budget)
             self.verified[key] = self.verified.get(key, 0) + 1
-            self.accepted[budget].extend(accepted)
+            if by_choice is None:
+                self.accepted[budget].extend(accepted)
+            for b, column in zip(self.budgets, by_choice.T if by_choice is not None else ()):
+                known = column[column >= 0].tolist()
+                self.accepted[b].extend(known)
+                self.counterfactual[b] += len(known) if b != budget else 0
             if self._last_clean and self._last_output is not None:
                 self._time(batch_bucket(batch_size), budget).extend([now - self._last_output])
         self._last_output, self._last_clean = now, verify_only

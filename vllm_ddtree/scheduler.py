@@ -3,9 +3,10 @@
 vLLM's scheduler already picks each step's draft count from ``dynamic_sd_lookup[batch size]`` (its dynamic
 speculative decoding schedule); here that lookup is a ``CostAwareBudget``, fed from what ``update_from_output``
 sees: each verified request's accepted count (through ``make_spec_decoding_stats``, which vLLM calls once per
-request with drafts) and the time each step's output arrives. ``config.settle_budget_policy`` names
-``make_scheduler`` as vLLM's ``scheduler_cls``; it builds on vLLM's synchronous or asynchronous scheduler, whichever
-the engine runs.
+request with drafts) and the time each step's output arrives; where the runner reports what each choice would have
+accepted (``ModelRunnerOutput.ddtree_acceptance``, acceptance_by_choice.py), that, per request, instead of the
+counts. ``config.settle_budget_policy`` names ``make_scheduler`` as vLLM's ``scheduler_cls``; it builds on vLLM's
+synchronous or asynchronous scheduler, whichever the engine runs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ def verified_budget(scheduler_output: Any) -> tuple[int, bool]:
     return budget, verify_only
 
 
+def acceptance_of_drafted(scheduler_output: Any, model_runner_output: Any):
+    """The rows of ``ddtree_acceptance`` (``[requests, choices]``, the runner's, in ``req_ids`` order) of the
+    requests that verified drafts this step; None where the runner reported none (fixed budget, V1's asynchronous
+    output, steps without trees)."""
+    acceptance = getattr(model_runner_output, "ddtree_acceptance", None)
+    if acceptance is None:
+        return None
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    return acceptance[[i for i, req in enumerate(model_runner_output.req_ids) if drafts.get(req)]]
+
+
 class _CostAwareBudgetMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -53,7 +65,8 @@ class _CostAwareBudgetMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         budget, verify_only = verified_budget(scheduler_output)
-        self.budget_policy.observe_step(len(scheduler_output.num_scheduled_tokens), budget, verify_only)
+        self.budget_policy.observe_step(len(scheduler_output.num_scheduled_tokens), budget, verify_only,
+                                        by_choice=acceptance_of_drafted(scheduler_output, model_runner_output))
         return outputs
 
     def shutdown(self) -> None:

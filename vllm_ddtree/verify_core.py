@@ -17,6 +17,9 @@ request was scheduled ``depth`` drafts is a *chain step*: every request of it ve
 DFlash chain (filed beside its tree), causally, on vLLM's attention; the walk, compaction and linearisation run on
 the chain as on any tree. The step decides, not the request: fed tokens, attention and walk must agree for all.
 
+With budget choices (``"tree_budgets"``) the walk also fills ``by_choice``: what each choice would have accepted on
+the step's tokens (``acceptance_by_choice``), which the adapters hand to the scheduler's budget policy.
+
 Nothing here synchronises with the host unless a debug check asks for it (``VLLM_DDTREE_CHECK_TREES``,
 ``VLLM_DDTREE_CHECK_RANKS``: each raises on what it finds, on either runner).
 """
@@ -24,12 +27,14 @@ Nothing here synchronises with the host unless a debug check asks for it (``VLLM
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from vllm_ddtree.config import chain_fallback
+from vllm_ddtree.acceptance_by_choice import ChoiceAcceptance
+from vllm_ddtree.config import chain_fallback, tree_budget_choices
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.sampler import TreeWalkOutput, walk_tree
 from vllm_ddtree.step_timing import StepTimer
@@ -103,12 +108,20 @@ def verify_widths(spec) -> frozenset[int]:
     return frozenset(1 + b for b in budgets)
 
 
+def budget_choices(spec) -> list[int] | None:
+    """The cost-aware budget's choices (``config.tree_budget_choices``: ascending, the chain's depth included), or
+    None for a fixed budget: then the walk computes nothing for it."""
+    return tree_budget_choices(spec) if getattr(spec, "tree_budgets", None) else None
+
+
 class TreeVerifyCore:
     """Per worker: this step's trees in batch order, the walk, compaction and row bookkeeping (module docstring)."""
 
     def __init__(self, handover: TreeHandover, depth: int, max_reqs: int, max_num_tokens: int,
                  device: torch.device, *, cuda_graphs: bool, verify_widths: frozenset[int] | None = None,
-                 timer: StepTimer | None = None, synthetic: SyntheticAcceptance | None = None):
+                 timer: StepTimer | None = None, synthetic: SyntheticAcceptance | None = None,
+                 choices: Sequence[int] | None = None):
+        """``choices``: the budget policy's (``budget_choices``), None for a fixed budget."""
         self.handover = handover
         self.budget = handover.budget
         self.depth = depth
@@ -123,6 +136,8 @@ class TreeVerifyCore:
         self.node_tokens = torch.zeros(max_reqs, self.budget + 1, dtype=torch.int64, device=device)
         self.walk_out = TreeWalkOutput.allocate(max_reqs, depth, device)
         self.synthetic = synthetic  # benchmark mode: the accepted depth is drawn, not verified
+        self.by_choice = (ChoiceAcceptance(choices, depth, max_reqs, device, chain=handover.chains is not None)
+                          if choices else None)
         # One Triton launch each way on CUDA (and under TRITON_INTERPRET in tests); the torch reference elsewhere.
         use_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         self._prepare_rows = prepare_rows_triton if use_triton else prepare_rows_torch
@@ -164,6 +179,8 @@ class TreeVerifyCore:
         chain = handover.chains is not None and int(num_drafts_cpu[: rows.num_reqs].max()) == self.depth
         prepared = self._prepare_rows(rows, handover.trees, handover.stamp, handover.epoch, self.verify_trees,
                                       self.tree_rows, self._row_buffers, handover.chains, chain)
+        if self.by_choice is not None:
+            self.by_choice.prepare(rows.slots[: rows.num_reqs], handover.chains, chain)
         if self.check_trees and bool(prepared.refused_fresh.any()):
             bad = prepared.refused_fresh.nonzero().flatten().tolist()
             raise RuntimeError(f"ddtree: batch rows {bad} were fed drafts that are not their fresh tree's tokens")
@@ -206,6 +223,13 @@ class TreeVerifyCore:
         if self.synthetic is not None:
             self.synthetic.force(self.node_tokens[:rows], self.verify_trees)
         self._walk_tree(self.node_tokens[:rows], self.verify_trees, self.depth, self.walk_out)
+        if self.by_choice is not None:
+            self.by_choice.fill(self.walk_out, self.verify_trees.num_nodes, rows)
+
+    def acceptance(self, step: VerifyStep) -> torch.Tensor | None:
+        """A fresh copy of the walked step's ``[R, C]`` accepted drafts per budget choice (batch order), for the
+        scheduler (the adapters attach it to vLLM's SamplerOutput); None without choices."""
+        return self.by_choice.out[: step.num_reqs].clone() if self.by_choice is not None and step.walked else None
 
     def path_rows(self, step: VerifyStep, num_logits: int) -> torch.Tensor:
         """Logits rows in accepted-path order: row ``start[r] + j <- start[r] + acc[r, j]`` (logprob j of request r

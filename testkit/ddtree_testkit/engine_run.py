@@ -236,6 +236,7 @@ def main() -> None:
     if policy is not None:  # ddtree's cost-aware scheduler: per verified draft count, the requests' accepted drafts
         out["budget_policy"] = {"chain": policy.chain,
                                 "accepted": {str(b): list(w.samples) for b, w in policy.accepted.items()},
+                                "counterfactual": {str(b): n for b, n in policy.counterfactual.items()},
                                 "chain_drafts": chain_drafts[0]}
     if audit_file:
         out["sync_audit"] = json.loads(Path(audit_file).read_text() or "[]")

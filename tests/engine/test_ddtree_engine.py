@@ -63,7 +63,9 @@ def test_cost_aware_budget_verifies_several_budgets_losslessly(tiny_llama_dir, t
     """``tree_budgets``: ddtree's scheduler picks each step's budget (budget_policy.py); it tries both choices
     before it settles, and whichever it picks, the outputs are no-spec's. ``"chain"``: chain steps verify
     ``tree_depth`` = 7 drafts, the DFlash chain, causally; they accept the oracle drafter's chain. The drafter
-    builds no tree before a step the scheduler already gave to the chain: it files the chain alone (``build_chain``)."""
+    builds no tree before a step the scheduler already gave to the chain: it files the chain alone (``build_chain``).
+    Each step verified at 16 also tells the policy what the fewest drafts would have accepted on its tokens
+    (acceptance_by_choice.py, through patch 0002's hook); a step verified at the fewest tells nothing of 16."""
     spec = {"method": "ddtree", "model": str(tiny_llama_dflash_dir), "tree_budgets": budgets}
     result = run_engine(
         model=str(tiny_llama_dir),
@@ -83,6 +85,8 @@ def test_cost_aware_budget_verifies_several_budgets_losslessly(tiny_llama_dir, t
     fewest_accepted = policy["accepted"][str(fewest)]  # the oracle ranks the right token first at ~half the depths
     assert len(fewest_accepted) >= 8 and sum(a > 0 for a in fewest_accepted) >= len(fewest_accepted) // 4, policy
     assert (policy["chain_drafts"] > 0) == ("chain" in budgets), policy
+    assert policy["counterfactual"][str(fewest)] > 0 and policy["counterfactual"]["16"] == 0, policy
+    assert all(0 <= a <= 7 for a in fewest_accepted), policy  # at most the depth
 
 
 # The one host synchronisation DDTree's code may make in a step on the CPU engine: its PyTorch KV compaction
@@ -91,16 +95,22 @@ def test_cost_aware_budget_verifies_several_budgets_losslessly(tiny_llama_dir, t
 CPU_ONLY_SYNCS = {("nonzero", "vllm_ddtree/kv_compact.py", "kv_compact_torch")}
 
 
-def test_decode_steps_make_no_host_sync_in_ddtree_code(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
+@pytest.mark.parametrize("budgets", [None, ["chain", 16]], ids=["fixed", "cost_aware"])
+def test_decode_steps_make_no_host_sync_in_ddtree_code(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference,
+                                                       budgets):
     """Every torch call of every engine step is watched (sync_audit.py); none under vllm_ddtree code may make a GPU
-    host wait: tree build, verify preparation, walk, compaction, linearisation, the next draft's inputs."""
+    host wait: tree build, verify preparation, walk, compaction, linearisation, the next draft's inputs; under budget
+    choices also the chain steps and each choice's acceptance (acceptance_by_choice.py)."""
+    spec = ddtree_spec(tiny_llama_dflash_dir, 16)
+    if budgets is not None:
+        spec = {"method": "ddtree", "model": str(tiny_llama_dflash_dir), "tree_budgets": budgets}
     result = run_engine(
         env={"VLLM_DDTREE_CHECK_TREES": "0", "VLLM_DDTREE_CHECK_RANKS": "0"},  # both sync on purpose (checks)
         model=str(tiny_llama_dir),
         prompt_token_ids=prompt_ids,
         max_tokens=24,
         ignore_eos=True,
-        spec=ddtree_spec(tiny_llama_dflash_dir, 16),
+        spec=spec,
         oracle={"prompt_token_ids": prompt_ids, "continuations": reference, "seed": 11},
         audit_syncs=True,
     )

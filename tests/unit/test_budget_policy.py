@@ -227,3 +227,82 @@ def test_make_scheduler_builds_on_the_scheduler_the_engine_runs(monkeypatch, asy
     made = scheduler.make_scheduler(vllm_config=config, log_stats=False)
     assert isinstance(made, AsyncScheduler) == async_scheduling
     assert built == {"log_stats": False, "cls": type(made)}
+
+
+def test_a_step_reported_by_choice_fills_every_known_choices_window():
+    """A step verified at 32 tells what the chain (15) and 16 would have accepted on the same tokens (-1: unknown,
+    here 64 and a request that verified nothing); the windows take those instead of the step's own samples."""
+    policy = CostAwareBudget([16, 32, 64, 15], chain=15, min_steps=1)
+    for accepted in (3, 4, 0):
+        policy.observe_request(accepted)
+    policy.observe_step(3, 32, verify_only=True, by_choice=[[2, 3, 3, -1], [4, 4, 4, -1], [-1, -1, -1, -1]])
+    assert {b: list(w.samples) for b, w in policy.accepted.items()} == {15: [2, 4], 16: [3, 4], 32: [3, 4], 64: []}
+    assert policy.counterfactual == {15: 2, 16: 2, 32: 0, 64: 0}
+    assert policy.verified == {(batch_bucket(3), 32): 1}  # a step verified at 32, whatever it told of the others
+    # Without it, as before: the verified budget's window takes the requests' own counts.
+    policy.observe_request(5)
+    policy.observe_step(1, 64, verify_only=True)
+    assert list(policy.accepted[64].samples) == [5] and policy.counterfactual[64] == 0
+    # Not a verify-only step: nothing counts, reported or not.
+    policy.observe_request(7)
+    policy.observe_step(2, 64, verify_only=False, by_choice=[[1, 1, 1, 1]])
+    assert list(policy.accepted[64].samples) == [5] and list(policy.accepted[15].samples) == [2, 4]
+
+
+@pytest.mark.parametrize("by_choice", [[[1, 2, 3]], [1, 2, 3, 4], [[1, 2, 3, 4, 5]]])
+def test_a_report_without_one_column_per_choice_is_refused(by_choice):
+    policy = CostAwareBudget([16, 32, 64, 15], chain=15)
+    with pytest.raises(ValueError, match=r"one column per choice \(15, 16, 32, 64\)"):
+        policy.observe_step(1, 32, verify_only=True, by_choice=by_choice)
+
+
+def test_counterfactual_samples_let_the_policy_see_a_larger_tree_accept_more():
+    """The windows compare budgets on the same tokens: a run whose acceptance drifts (hard prompts while 64 was
+    explored, easy ones at 32) no longer reads 32 above 64, which holds it. Without reports it does."""
+    def run(report: bool) -> dict[int, float]:
+        policy = CostAwareBudget([16, 32, 64], min_steps=1, probe_every=0)
+        for step in range(64):
+            easy = step < 32
+            budget = 32 if easy else 64  # 32 saw the easy prompts, 64 the hard ones
+            accepted = {16: 2, 32: 4, 64: 5} if easy else {16: 0, 32: 1, 64: 1}
+            policy.observe_request(accepted[budget])
+            by_choice = [[accepted[16], accepted[32], accepted[64] if budget == 64 else -1]] if report else None
+            policy.observe_step(1, budget, verify_only=True, by_choice=by_choice)
+        return {b: w.value for b, w in policy.accepted.items()}
+
+    assert run(report=False)[32] > run(report=False)[64]
+    assert run(report=True)[32] <= run(report=True)[64]
+
+
+def test_the_scheduler_hands_the_policy_the_rows_of_requests_with_drafts():
+    """``update_from_output`` reads ``ddtree_acceptance`` (rows in ``req_ids`` order) and passes the rows of the
+    requests that verified drafts; without it the policy gets the requests' own counts, as before."""
+    import numpy as np
+
+    from vllm_ddtree import scheduler
+
+    class Base:
+        def update_from_output(self, scheduler_output, model_runner_output):
+            for _ in scheduler_output.num_scheduled_tokens:  # vLLM's make_spec_decoding_stats, per request
+                self.budget_policy.observe_request(1)
+            return "outputs"
+
+    class Fake(scheduler._CostAwareBudgetMixin, Base):
+        def __init__(self):
+            self.budget_policy = CostAwareBudget([7, 16], chain=7)
+
+    step = _output({"a": 17, "b": 17}, {"a": [0] * 16, "b": [0] * 16})
+    fake = Fake()
+    runner_output = SimpleNamespace(req_ids=["b", "a"], ddtree_acceptance=np.array([[2, 3], [5, 6]], np.int32))
+    assert fake.update_from_output(step, runner_output) == "outputs"
+    assert list(fake.budget_policy.accepted[7].samples) == [2, 5]
+    assert list(fake.budget_policy.accepted[16].samples) == [3, 6]
+    fake = Fake()
+    fake.update_from_output(step, SimpleNamespace(req_ids=["b", "a"]))
+    assert list(fake.budget_policy.accepted[16].samples) == [1, 1] and not fake.budget_policy.accepted[7].samples
+
+    mixed = _output({"a": 17, "p": 40, "c": 1}, {"a": [0] * 16})  # a prefill chunk and a decode without drafts
+    rows = scheduler.acceptance_of_drafted(
+        mixed, SimpleNamespace(req_ids=["p", "a", "c"], ddtree_acceptance=np.array([[-1, -1], [4, 4], [-1, -1]])))
+    assert rows.tolist() == [[4, 4]]
+    assert scheduler.acceptance_of_drafted(mixed, SimpleNamespace(req_ids=["p", "a", "c"])) is None

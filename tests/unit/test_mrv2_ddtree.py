@@ -276,7 +276,8 @@ def _patched_mrv2_sources() -> dict[str, str]:
     ps = ap.load_patch_set()
     installed = ap.find_vllm_root(None)
     out = {}
-    for path in ("vllm/v1/worker/gpu/spec_decode/__init__.py", "vllm/v1/worker/gpu/model_runner.py"):
+    for path in ("vllm/v1/worker/gpu/spec_decode/__init__.py", "vllm/v1/worker/gpu/model_runner.py",
+                 "vllm/v1/worker/gpu/async_utils.py"):
         out[path] = ap.patched_text(ps, path, pristine_target(ps, installed, path))
     return out
 
@@ -378,7 +379,7 @@ class FakeStep:
     """Request state, filed trees and an InputBatch made by MRV2's own input kernels, as the runner makes them;
     ``speculator`` stands in for DDTreeSpeculator (its core and what the adapter methods read)."""
 
-    def __init__(self, seed: int = 0, requests=REQUESTS):
+    def __init__(self, seed: int = 0, requests=REQUESTS, choices=None):
         from vllm.v1.worker.gpu.input_batch import (
             InputBuffers,
             combine_sampled_and_draft_tokens,
@@ -395,7 +396,8 @@ class FakeStep:
                                                  generator=torch.Generator().manual_seed(1000 + seed)))
         self.handover.epoch.fill_(EPOCH)
         self.req_trees = self.handover.trees
-        self.core = TreeVerifyCore(self.handover, DEPTH, MAX_REQS, MAX_TOKENS, torch.device("cpu"), cuda_graphs=False)
+        self.core = TreeVerifyCore(self.handover, DEPTH, MAX_REQS, MAX_TOKENS, torch.device("cpu"), cuda_graphs=False,
+                                   choices=choices)
         self.speculator = SimpleNamespace(core=self.core, block_tables=None, bind_kv_caches=None)
         self.last_sampled = torch.randint(1, VOCAB, (MAX_REQS,), generator=gen)
         self.num_computed = torch.zeros(MAX_REQS, dtype=torch.int32)
@@ -752,6 +754,108 @@ def test_tree_sampler_output_contract_and_post_update():
             expected[db, dst % KV_BLOCK] = before[sb, src % KV_BLOCK]
     assert torch.equal(cache, expected)
     assert not torch.equal(cache, before)
+
+
+def test_tree_sampler_hands_each_budget_choices_acceptance_to_the_scheduler():
+    """Under budget choices the walk fills what each would have accepted (acceptance_by_choice.py), batch order, the
+    chains gathered by request slot; the sampler attaches a copy to its SamplerOutput (patch 0004 carries it on)."""
+    from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
+
+    choices = [2, DEPTH, 5, BUDGET]  # DEPTH = 3: the chain
+    step = FakeStep(choices=choices)
+    _kv_fixture(step)
+    logits, paths, bonus = step.target_logits()
+    emitted = {r: [int(step.req_trees.token_ids[slot, n]) for n in paths[r][1:]] + [bonus[r]]
+               for r, (slot, *_rest) in enumerate(REQUESTS)}
+    step.handover.chains[5] = torch.tensor((emitted[0] + [0] * DEPTH)[:DEPTH])  # batch row 0 follows its chain
+    step.handover.chains[2, 0] = (emitted[1][0] + 1) % VOCAB  # row 1's chain misses at once
+    step.core.by_choice.out.fill_(99)
+    step.prepare()
+    out = MRV2TreeSampler(step.speculator, StubSampler(step.prefill_len), fallback=None)(logits, step.batch)
+    got = out.ddtree_acceptance
+    assert got.data_ptr() != step.core.by_choice.out.data_ptr()  # a copy: the next step's walk reuses the buffer
+    want = []
+    for r, (_slot, kind, nd, _s) in enumerate(REQUESTS):
+        if kind != "tree":  # verified nothing
+            want.append([-1] * len(choices))
+            continue
+        row = [sum(1 <= node <= b for node in paths[r][1:]) if b <= nd else -1 for b in sorted(choices)]
+        row[sorted(choices).index(DEPTH)] = min(len(emitted[0]), DEPTH) if r == 0 else 0
+        want.append(row)
+    assert got.tolist() == want
+    assert len(paths[0]) > 2 and want[0][0] < len(paths[0]) - 1, "budget 2 should accept less than the tree"
+    assert step.core.by_choice.out[len(REQUESTS):].eq(99).all()
+
+    plain = FakeStep()  # a fixed budget: nothing computed, nothing attached
+    _kv_fixture(plain)
+    assert plain.core.by_choice is None
+    assert _run_sampler(plain)[0].ddtree_acceptance is None
+
+
+def test_patched_async_output_carries_the_acceptance_to_model_runner_output(monkeypatch):
+    """Patch 0004's AsyncOutput hook (MRV2's output path, synchronous or not), run from the patched text with CUDA's
+    streams and events stubbed: the acceptance reaches ModelRunnerOutput, survives pickling (TP workers send outputs
+    through vLLM's message queue), and outputs without it stay as they were."""
+    import contextlib
+    import pickle
+
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+    path = "vllm/v1/worker/gpu/async_utils.py"
+    namespace = {"__name__": "patched_async_utils"}
+    exec(compile(_patched_mrv2_sources()[path], path, "exec"), namespace)
+    namespace["stream"] = lambda to_stream, from_stream: contextlib.nullcontext()
+
+    class Event:
+        def __init__(self, **kwargs):
+            pass
+
+        record = synchronize = lambda self, *args: None
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    copy_stream = SimpleNamespace(wait_stream=lambda other: None)
+
+    def output(acceptance):
+        sampler_output = SamplerOutput(sampled_token_ids=torch.tensor([[5, -1], [6, 7]]), logprobs_tensors=None,
+                                       num_nans=None, num_sampled=torch.tensor([1, 2]))
+        if acceptance is not None:
+            sampler_output.ddtree_acceptance = acceptance
+        runner_output = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1},
+                                          sampled_token_ids=None, prompt_logprobs_dict={})
+        return namespace["AsyncOutput"](runner_output, sampler_output, torch.tensor([1, 2]), None,
+                                        copy_stream).get_output()
+
+    acceptance = torch.tensor([[0, 1, -1], [2, 2, 3]], dtype=torch.int32)
+    got = pickle.loads(pickle.dumps(output(acceptance)))
+    assert got.sampled_token_ids == [[5], [6, 7]]
+    assert isinstance(got.ddtree_acceptance, np.ndarray) and got.ddtree_acceptance.tolist() == acceptance.tolist()
+    assert not hasattr(output(None), "ddtree_acceptance")
+
+
+def test_patch_0002_hands_the_acceptance_over_on_the_synchronous_output_path():
+    """Patch 0002's V1 hook sits in sample_tokens' synchronous branch, before it returns the output it sets."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    ap = sys.modules.get("apply_patches")
+    if ap is None:
+        tool = Path(__file__).resolve().parents[2] / "tools" / "apply_patches.py"
+        spec = importlib.util.spec_from_file_location("apply_patches", tool)
+        ap = importlib.util.module_from_spec(spec)
+        sys.modules["apply_patches"] = ap
+        spec.loader.exec_module(ap)
+    from test_apply_patches import pristine_target
+
+    ps = ap.load_patch_set()
+    path = "vllm/v1/worker/gpu_model_runner.py"
+    text = ap.patched_text(ps, path, pristine_target(ps, ap.find_vllm_root(None), path))
+    sample = _function_source(text, "sample_tokens")
+    branch = sample.index("if not self.use_async_scheduling:\n            # vllm-ddtree")
+    hook = sample.index('getattr(sampler_output, "ddtree_acceptance", None)')
+    assert sample.index("output = ModelRunnerOutput(") < branch < hook < sample.index("return output", branch)
+    assert "output.ddtree_acceptance = ddtree_acceptance.cpu().numpy()" in sample[hook:]
 
 
 def test_tree_sampler_falls_back_to_vllms_rejection_sampler_without_a_tree_step():

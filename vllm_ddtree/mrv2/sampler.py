@@ -5,8 +5,9 @@ MRV2 feeds each decode request ``1 + nd`` rows: the root (its last sampled token
 step: one token per node with the runner's own ``Sampler`` (Gumbel noise keyed by the depth position, so siblings
 share noise and every emitted token is a fresh draw given the emitted prefix: seeded sampling equals no-spec's token
 for token), then ``TreeVerifyCore.walk`` (walk and KV compaction), then MRV2's ``SamplerOutput`` contract with
-freshly allocated tensors (``AsyncOutput`` copies them on a side stream while the next step runs). Steps without a
-verify step in flight go to vLLM's ``RejectionSampler``. No host sync: only the CPU arrays MRV2 holds for the step.
+freshly allocated tensors (``AsyncOutput`` copies them on a side stream while the next step runs), the budget
+choices' acceptance (``ddtree_acceptance``) among them. Steps without a verify step in flight go to vLLM's
+``RejectionSampler``. No host sync: only the CPU arrays MRV2 holds for the step.
 """
 
 from __future__ import annotations
@@ -73,13 +74,17 @@ class MRV2TreeSampler:
             input_batch.idx_mapping,
             sampler.req_states.prefill_len.gpu,
         )
-        return SamplerOutput(
+        output = SamplerOutput(
             sampled_token_ids=sampled,
             logprobs_tensors=logprobs,
             num_nans=num_nans,
             num_sampled=num_sampled,
             num_rejected=num_rejected,
         )
+        # Accepted drafts per budget choice, [R, C] (None for a fixed budget): patch 0004's AsyncOutput copies it to
+        # the host beside the sampled tokens and hands it to the scheduler on ModelRunnerOutput.
+        output.ddtree_acceptance = core.acceptance(step)
+        return output
 
     def _logprobs(self, step, input_batch, logits, sampled, num_sampled, max_num_logprobs: int):
         """Logprobs as vLLM's RejectionSampler lays them out: output j of request r comes from logits row

@@ -36,7 +36,7 @@ from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
 from vllm_ddtree.tree.build import build_chain, build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import TreeHandover
-from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
+from vllm_ddtree.verify_core import TreeVerifyCore, budget_choices, verify_widths
 from vllm_ddtree.verify_rows import RowInputs
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -72,7 +72,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.core = TreeVerifyCore(
             TreeHandover(self.max_num_reqs, self.tree_budget, device, chain_depth), self.tree_depth,
             self.max_num_reqs, self.max_num_tokens, device, cuda_graphs=graphs_enabled(vllm_config, device),
-            verify_widths=verify_widths(spec), synthetic=self.synthetic)
+            verify_widths=verify_widths(spec), synthetic=self.synthetic, choices=budget_choices(spec))
         # Runs in the runner's __init__, before the target model is built: its layers get the tree backends.
         tree_backends.check_attention_config(vllm_config)
         tree_backends.install()

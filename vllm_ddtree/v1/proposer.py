@@ -38,7 +38,7 @@ from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
 from vllm_ddtree.tree.build import build_chain, build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import RequestSlots, TreeHandover
-from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
+from vllm_ddtree.verify_core import TreeVerifyCore, budget_choices, verify_widths
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -62,7 +62,7 @@ class DDTreeProposer(DFlashProposer):
         self.core = TreeVerifyCore(
             TreeHandover(max_reqs, self.tree_budget, device, chain_depth), self.tree_depth, max_reqs,
             vllm_config.scheduler_config.max_num_batched_tokens, device, cuda_graphs=graphs,
-            verify_widths=verify_widths(spec), synthetic=self.synthetic,
+            verify_widths=verify_widths(spec), synthetic=self.synthetic, choices=budget_choices(spec),
         )
         self.draft_trees = TreeBatch.allocate(max_reqs, self.tree_budget, device)  # this draft step's, batch order
         # The chain fallback's: each batch row's DFlash chain, filed beside its tree.

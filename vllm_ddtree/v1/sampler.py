@@ -7,7 +7,8 @@ mapping of a step with drafts. It translates V1's contracts for ``TreeVerifyCore
   runner's buffers become ``RowInputs``; each request's slot comes from the proposer's ``RequestSlots``;
 - ``forward`` (``RejectionSampler``'s signature): one token per logits row with the request's sampling parameters
   (V1's semantics, ``sampler.sample_node_tokens``), the walk and compaction, then V1's output contract
-  ``[R, 1 + max drafts]`` (accepted tokens, bonus, -1) and logprobs along the accepted path. Steps without a verify
+  ``[R, 1 + max drafts]`` (accepted tokens, bonus, -1) and logprobs along the accepted path, and under budget
+  choices what each would have accepted (``ddtree_acceptance``, for the scheduler). Steps without a verify
   step in flight (vLLM's dummy and profiling runs) go to vLLM's own ``RejectionSampler``.
 """
 
@@ -82,7 +83,11 @@ class TreeRejectionSampler(torch.nn.Module):
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(step, logits, out, sampling_metadata.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+        output = SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+        # Accepted drafts per budget choice (None for a fixed budget); patch 0002 puts it on the synchronous
+        # ModelRunnerOutput. The asynchronous output goes without: the budget policy then keeps its own samples.
+        output.ddtree_acceptance = core.acceptance(step)
+        return output
 
     def _sample_rows(self, logits: torch.Tensor, step, md) -> torch.Tensor:
         """One token per logits row with its request's sampling parameters (vLLM's semantics, sampler.py).

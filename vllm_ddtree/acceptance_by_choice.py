@@ -27,30 +27,30 @@ import torch
 
 
 def acceptance_by_choice(accepted_node_ids: torch.Tensor, output_token_ids: torch.Tensor,
-                         num_accepted: torch.Tensor, num_nodes: torch.Tensor, chains: torch.Tensor | None,
-                         chain_step: torch.Tensor, budgets: torch.Tensor, chain_column: int | None) -> torch.Tensor:
+                         num_accepted: torch.Tensor, num_nodes: torch.Tensor, tree_rows: torch.Tensor,
+                         chains: torch.Tensor | None, budgets: torch.Tensor, chain_column: int | None) -> torch.Tensor:
     """``[R, C]`` int32 accepted drafts per choice (module docstring), R = ``num_nodes.shape[0]``.
 
     The walk's ``accepted_node_ids`` and ``output_token_ids`` ``[>= R, L+1]`` and ``num_accepted [>= R]``;
-    ``num_nodes [R]``: the nodes each request verified (0: none); ``chains [R, L]``: each request's chain tokens
-    (needed with a ``chain_column``); ``chain_step``: a one-element bool tensor, the step verified chains;
-    ``budgets [C]``: the choices ascending, ``chain_column`` the chain's index among them (its value the depth)."""
+    ``num_nodes [R]``: the nodes each request verified (0: none); ``tree_rows [R]``: >= 0 where the request verified
+    a tree (verify_rows.py), so a request with nodes and no tree row verified its chain; ``chains [R, L]``: each
+    request's chain tokens (needed with a ``chain_column``); ``budgets [C]``: the choices ascending,
+    ``chain_column`` the chain's index among them (its value the depth)."""
     rows = num_nodes.shape[0]
     path = accepted_node_ids[:rows, 1:, None]  # [R, L, 1]: accepted node per depth, -1 past the path
     accepted = ((path >= 1) & (path <= budgets)).sum(1)  # [R, C]
-    verified = num_nodes[:, None]
-    known = (budgets <= verified) & (verified > 0) & ~chain_step
-    out = torch.where(known, accepted, -1)
+    tree = tree_rows[:rows] >= 0
+    out = torch.where((budgets <= num_nodes[:, None]) & tree[:, None], accepted, -1)
     if chain_column is not None:
         depth = chains.shape[1]
         matches = (output_token_ids[:rows, :depth].to(torch.int64) == chains).to(torch.int64).cumprod(1).sum(1)
-        chain = torch.where(chain_step, num_accepted[:rows].to(torch.int64), matches)
-        out[:, chain_column] = torch.where(num_nodes > 0, chain, -1)
+        own = torch.where(num_nodes > 0, num_accepted[:rows].to(torch.int64), -1)  # a chain step: its own count
+        out[:, chain_column] = torch.where(tree, matches, own)
     return out.to(torch.int32)
 
 
 class ChoiceAcceptance:
-    """Static buffers for ``acceptance_by_choice``: the step's chains and kind, set in ``prepare``; ``out``."""
+    """Static buffers for ``acceptance_by_choice``: the step's chains, gathered in ``prepare``; ``out``."""
 
     def __init__(self, choices: Sequence[int], depth: int, max_reqs: int, device: torch.device, *, chain: bool):
         """``choices``: the budget policy's (``config.tree_budget_choices``); ``chain``: the chain fallback is on,
@@ -59,18 +59,17 @@ class ChoiceAcceptance:
         self.budgets = torch.tensor(choices, dtype=torch.int64, device=device)
         self.chain_column = choices.index(depth) if chain else None
         self.chains = torch.zeros(max_reqs, depth, dtype=torch.int64, device=device) if chain else None
-        self.chain_step = torch.zeros(1, dtype=torch.bool, device=device)
         self.out = torch.full((max_reqs, len(choices)), -1, dtype=torch.int32, device=device)
 
-    def prepare(self, slots: torch.Tensor, chains: torch.Tensor | None, chain_step: bool) -> None:
-        """Before the forward: the batch's chains gathered by request slot (from the hand-over, which the next draft
-        step overwrites) and the step's kind, on the device."""
-        self.chain_step.fill_(chain_step)
+    def prepare(self, slots: torch.Tensor, chains: torch.Tensor | None) -> None:
+        """Before the forward: the batch's chains gathered by request slot from the hand-over, which the next draft
+        step overwrites."""
         if self.chains is not None:
             torch.index_select(chains, 0, slots.to(torch.int64), out=self.chains[: slots.shape[0]])
 
-    def fill(self, walk, num_nodes: torch.Tensor, rows: int) -> None:
-        """Rows ``[:rows]`` of ``out`` from the walk (``sampler.TreeWalkOutput``) and the verified node counts."""
+    def fill(self, walk, num_nodes: torch.Tensor, tree_rows: torch.Tensor, rows: int) -> None:
+        """Rows ``[:rows]`` of ``out`` from the walk (``sampler.TreeWalkOutput``), the verified node counts and the
+        step's tree rows (read before the walk resets them)."""
         self.out[:rows] = acceptance_by_choice(
-            walk.accepted_node_ids, walk.output_token_ids, walk.num_accepted, num_nodes[:rows],
-            self.chains[:rows] if self.chains is not None else None, self.chain_step, self.budgets, self.chain_column)
+            walk.accepted_node_ids, walk.output_token_ids, walk.num_accepted, num_nodes[:rows], tree_rows[:rows],
+            self.chains[:rows] if self.chains is not None else None, self.budgets, self.chain_column)

@@ -167,6 +167,12 @@ def tree_budget_choices(spec: Any) -> list[int]:
     return sorted(choices)
 
 
+def budget_choices(spec: Any) -> list[int] | None:
+    """``tree_budget_choices`` under the cost-aware budget, None for a fixed budget (the walk then reports no
+    acceptance by choice)."""
+    return tree_budget_choices(spec) if getattr(spec, "tree_budgets", None) else None
+
+
 def _expand_tree_budgets(spec: Any) -> None:
     """``tree_budgets``: the cost-aware budget (budget_policy.py) picks each step's budget among these. The largest
     is the node budget (``num_speculative_tokens``); vLLM's dynamic speculative decoding schedule gets one entry per

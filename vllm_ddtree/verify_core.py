@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree.acceptance_by_choice import ChoiceAcceptance
-from vllm_ddtree.config import chain_fallback, tree_budget_choices
+from vllm_ddtree.config import chain_fallback
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
 from vllm_ddtree.sampler import TreeWalkOutput, walk_tree
 from vllm_ddtree.step_timing import StepTimer
@@ -108,12 +108,6 @@ def verify_widths(spec) -> frozenset[int]:
     return frozenset(1 + b for b in budgets)
 
 
-def budget_choices(spec) -> list[int] | None:
-    """The cost-aware budget's choices (``config.tree_budget_choices``: ascending, the chain's depth included), or
-    None for a fixed budget: then the walk computes nothing for it."""
-    return tree_budget_choices(spec) if getattr(spec, "tree_budgets", None) else None
-
-
 class TreeVerifyCore:
     """Per worker: this step's trees in batch order, the walk, compaction and row bookkeeping (module docstring)."""
 
@@ -121,7 +115,7 @@ class TreeVerifyCore:
                  device: torch.device, *, cuda_graphs: bool, verify_widths: frozenset[int] | None = None,
                  timer: StepTimer | None = None, synthetic: SyntheticAcceptance | None = None,
                  choices: Sequence[int] | None = None):
-        """``choices``: the budget policy's (``budget_choices``), None for a fixed budget."""
+        """``choices``: the budget policy's (``config.budget_choices``), None for a fixed budget."""
         self.handover = handover
         self.budget = handover.budget
         self.depth = depth
@@ -180,7 +174,7 @@ class TreeVerifyCore:
         prepared = self._prepare_rows(rows, handover.trees, handover.stamp, handover.epoch, self.verify_trees,
                                       self.tree_rows, self._row_buffers, handover.chains, chain)
         if self.by_choice is not None:
-            self.by_choice.prepare(rows.slots[: rows.num_reqs], handover.chains, chain)
+            self.by_choice.prepare(rows.slots[: rows.num_reqs], handover.chains)
         if self.check_trees and bool(prepared.refused_fresh.any()):
             bad = prepared.refused_fresh.nonzero().flatten().tolist()
             raise RuntimeError(f"ddtree: batch rows {bad} were fed drafts that are not their fresh tree's tokens")
@@ -203,7 +197,7 @@ class TreeVerifyCore:
         node_tokens = self.node_tokens[:num_reqs]
         node_tokens.zero_()
         node_tokens[step.prepared.row_request, step.prepared.row_node] = node_row_tokens.to(torch.int64)
-        self._walk_graphs(num_reqs)
+        self._walk_graphs(num_reqs)  # reads tree_rows (acceptance by choice): before the reset
         self.tree_rows[:num_reqs].fill_(-1)
         self.attention.step = None
         step.walked = True
@@ -224,7 +218,7 @@ class TreeVerifyCore:
             self.synthetic.force(self.node_tokens[:rows], self.verify_trees)
         self._walk_tree(self.node_tokens[:rows], self.verify_trees, self.depth, self.walk_out)
         if self.by_choice is not None:
-            self.by_choice.fill(self.walk_out, self.verify_trees.num_nodes, rows)
+            self.by_choice.fill(self.walk_out, self.verify_trees.num_nodes, self.tree_rows, rows)
 
     def acceptance(self, step: VerifyStep) -> torch.Tensor | None:
         """A fresh copy of the walked step's ``[R, C]`` accepted drafts per budget choice (batch order), for the

@@ -63,6 +63,11 @@ def chain_accepts(target: Target, chain: list[int]) -> int:
     return k
 
 
+def tree_rows(tree: TreeBatch) -> torch.Tensor:
+    """A tree step's ``tree_rows``: r where request r verified nodes, else -1 (verify_rows.py)."""
+    return torch.where(tree.num_nodes > 0, torch.arange(tree.num_nodes.shape[0], dtype=torch.int32), -1)
+
+
 def draft_logits(rows: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(rows, DEPTH, VOCAB, generator=gen) * 2.0
@@ -87,8 +92,8 @@ def test_each_smaller_budget_and_the_chain_accept_what_their_own_walk_accepts(se
             children.setdefault(prefix[:-1], []).append(prefix[-1])
         targets.append(Target(1000 * seed + r, children, chains[r].tolist()))
     accepted_ids, emitted, num_accepted = walk(big, targets)
-    got = acceptance_by_choice(accepted_ids, emitted, num_accepted, big.num_nodes, chains,
-                               torch.tensor([False]), torch.tensor(CHOICES), CHAIN)
+    got = acceptance_by_choice(accepted_ids, emitted, num_accepted, big.num_nodes, tree_rows(big), chains,
+                               torch.tensor(CHOICES), CHAIN)
     assert got.dtype == torch.int32 and got.shape == (rows, len(CHOICES))
 
     for b in (c for c in CHOICES if c != DEPTH):
@@ -128,7 +133,7 @@ def test_the_cases_cover_paths_off_the_prefix_and_the_chain_past_the_tree():
                 children.setdefault(prefix[:-1], []).append(prefix[-1])
             targets.append(Target(1000 * seed + r, children, chains[r].tolist()))
         ids, emitted, n = walk(big, targets)
-        got = acceptance_by_choice(ids, emitted, n, big.num_nodes, chains, torch.tensor([False]),
+        got = acceptance_by_choice(ids, emitted, n, big.num_nodes, tree_rows(big), chains,
                                    torch.tensor(CHOICES), CHAIN)
         less += int((got[:, 0] < n).sum())
         for r in range(6):
@@ -149,8 +154,9 @@ def test_a_chain_step_knows_only_the_chain():
     node_tokens[:, :4] = chains[:, :4]  # every row accepts 4 of its chain, then a miss
     node_tokens[:, 4] = (chains[:, 4] + 1) % VOCAB
     out = walk_tree(node_tokens, tree, DEPTH)
+    no_tree_rows = torch.full((rows,), -1, dtype=torch.int32)  # a chain step verifies causally
     got = acceptance_by_choice(out.accepted_node_ids, out.output_token_ids, out.num_accepted, tree.num_nodes,
-                               torch.zeros_like(chains), torch.tensor([True]), torch.tensor(CHOICES), CHAIN)
+                               no_tree_rows, torch.zeros_like(chains), torch.tensor(CHOICES), CHAIN)
     assert out.num_accepted.tolist() == [4, 4, 0]
     want = [[-1] * len(CHOICES) for _ in range(rows)]
     want[0][CHAIN] = want[1][CHAIN] = 4  # its own count, whatever the chain buffer holds
@@ -162,15 +168,15 @@ def test_fill_writes_the_live_rows_and_prepare_gathers_the_chains_by_slot():
     by_choice = ChoiceAcceptance([16, DEPTH, 3], DEPTH, max_reqs=4, device=torch.device("cpu"), chain=True)
     assert by_choice.budgets.tolist() == [3, DEPTH, 16] and by_choice.chain_column == 1
     by_choice.out.fill_(99)
-    by_choice.prepare(torch.tensor([4, 1], dtype=torch.int32), slots_chains, chain_step=False)
-    assert torch.equal(by_choice.chains[:2], slots_chains[[4, 1]]) and not bool(by_choice.chain_step)
+    by_choice.prepare(torch.tensor([4, 1], dtype=torch.int32), slots_chains)
+    assert torch.equal(by_choice.chains[:2], slots_chains[[4, 1]])
     tree = TreeBatch.allocate(2, 16, "cpu")
     tree.num_nodes.copy_(torch.tensor([16, 3]))
     walk_out = walk_tree(torch.zeros(2, 17, dtype=torch.int64), tree, DEPTH)  # nothing accepted
-    by_choice.fill(walk_out, tree.num_nodes, 2)
+    by_choice.fill(walk_out, tree.num_nodes, torch.tensor([0, 1, -1, -1], dtype=torch.int32), 2)
     assert by_choice.out[:2].tolist() == [[0, 0, 0], [0, 0, -1]]
     assert by_choice.out[2:].eq(99).all()  # rows beyond the batch untouched
-    by_choice.prepare(torch.tensor([0]), slots_chains, chain_step=True)
-    assert bool(by_choice.chain_step)
+    by_choice.fill(walk_out, tree.num_nodes, torch.full((4,), -1, dtype=torch.int32), 2)  # the same as a chain step
+    assert by_choice.out[:2].tolist() == [[-1, 0, -1], [-1, 0, -1]]
     without_chain = ChoiceAcceptance([16, 32], DEPTH, max_reqs=4, device=torch.device("cpu"), chain=False)
     assert without_chain.chain_column is None and without_chain.chains is None

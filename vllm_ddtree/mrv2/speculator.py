@@ -29,14 +29,14 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree import LOGGER_NAME
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.config import chain_fallback, describe_runner, without_budget_schedule
+from vllm_ddtree.config import budget_choices, chain_fallback, describe_runner, without_budget_schedule
 from vllm_ddtree.cuda_graphs import graphs_enabled, warn_if_tensor_parallel_graphs, warn_if_trees_outgrow_graphs
 from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
 from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
 from vllm_ddtree.tree.build import build_chain, build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import TreeHandover
-from vllm_ddtree.verify_core import TreeVerifyCore, budget_choices, verify_widths
+from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
 from vllm_ddtree.verify_rows import RowInputs
 
 logger = logging.getLogger(LOGGER_NAME)

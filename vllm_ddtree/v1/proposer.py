@@ -24,7 +24,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import LOGGER_NAME
 from vllm_ddtree.attention import backend as tree_backends
-from vllm_ddtree.config import chain_fallback, describe_runner
+from vllm_ddtree.config import budget_choices, chain_fallback, describe_runner
 from vllm_ddtree.cuda_graphs import (
     DrafterCaptureOnce,
     GraphedStep,
@@ -38,7 +38,7 @@ from vllm_ddtree.synthetic_acceptance import synthetic_acceptance
 from vllm_ddtree.tree.build import build_chain, build_tree
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover import RequestSlots, TreeHandover
-from vllm_ddtree.verify_core import TreeVerifyCore, budget_choices, verify_widths
+from vllm_ddtree.verify_core import TreeVerifyCore, verify_widths
 
 logger = logging.getLogger(LOGGER_NAME)
 

@@ -198,6 +198,7 @@ def request_latencies(outputs) -> dict:
         if n > 1 and m.last_token_ts > m.first_token_ts:
             per_token.append(1e3 * (m.last_token_ts - m.first_token_ts) / (n - 1))
     return {"first_token_ms": round(statistics.fmean(first), 2) if first else None,
+            "first_token_ms_each": [round(f, 1) for f in first],  # a mean over one prefill per group hides outliers
             "decode_ms_per_token": round(statistics.fmean(per_token), 3) if per_token else None}
 
 
@@ -594,7 +595,7 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "accepted_per_position": row["accepted_per_position"], "prompts": len(row["token_ids"]),
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
                 "engine_start_s": res.get("engine_start_s"),
-                "first_token_ms": row.get("first_token_ms"),
+                "first_token_ms": row.get("first_token_ms"), "first_token_ms_each": row.get("first_token_ms_each"),
                 "decode_ms_per_token": row.get("decode_ms_per_token"),
             })
             if row.get("prefill_tokens_per_s"):

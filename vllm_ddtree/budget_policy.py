@@ -161,6 +161,9 @@ class CostAwareBudget:
                              + (f" ({1 + accepted:.2f} tokens / {1e3 * seconds:.2f} ms)"
                                 if seconds is not None and accepted is not None else ""))
             parts.append(f"batch {first}{'' if first == last else f'-{last}'}: " + ", ".join(cells))
+        if any(self.counterfactual.values()):  # acceptance by choice reached the policy
+            parts.append("samples from steps at another budget: " + ", ".join(
+                f"{'chain' if b == self.chain else f'B={b}'} {n}" for b, n in self.counterfactual.items()))
         return "; ".join(parts) or "no verify steps"
 
     def _time(self, bucket: int, budget: int) -> _Recent:

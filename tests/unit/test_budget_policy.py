@@ -239,6 +239,7 @@ def test_a_step_reported_by_choice_fills_every_known_choices_window():
     assert {b: list(w.samples) for b, w in policy.accepted.items()} == {15: [2, 4], 16: [3, 4], 32: [3, 4], 64: []}
     assert policy.counterfactual == {15: 2, 16: 2, 32: 0, 64: 0}
     assert policy.verified == {(batch_bucket(3), 32): 1}  # a step verified at 32, whatever it told of the others
+    assert policy.summary().endswith("; samples from steps at another budget: chain 2, B=16 2, B=32 0, B=64 0")
     # Without it, as before: the verified budget's window takes the requests' own counts.
     policy.observe_request(5)
     policy.observe_step(1, 64, verify_only=True)

@@ -28,6 +28,12 @@ costlier trees (eager steps beyond the CUDA graphs at large batches) are not wor
 estimates follow the workload: when nothing is accepted the smallest budget wins; when the trees' acceptance pays
 for a larger verify, a larger one does, and the budgets above it come within reach. The chain fallback is one more
 choice (``chain``: its draft count, the tree depth), below the smallest tree.
+
+A budget is chosen over a smaller one only where it also accepts more. Step times are medians of a few noisy
+samples, and with nothing accepted two choices differ by a few percent (H100, 2026-12-06, Qwen3-8B shape at batch
+1: chain 7.67 ms, B=16 7.86, B=32 8.81, B=64 8.89): ranked by time alone, trees whose medians dipped below the
+chain's took 241 of 2079 steps, where the probes alone take one in 32. A larger choice costs at least as much per
+step, so where its acceptance is no higher the smaller one is the better choice.
 """
 
 from __future__ import annotations
@@ -107,7 +113,12 @@ class CostAwareBudget:
             if peak is not None and rates[b] < rates[peak]:
                 break
             peak = b
-        best = max((b for b in self.budgets if rates[b] is not None), key=lambda b: rates[b])
+        best = None
+        for b in (b for b in self.budgets if rates[b] is not None):
+            # A larger budget must also accept more: with equal acceptance its extra verify rows cannot pay, and
+            # step-time noise alone would choose it (module docstring).
+            if best is None or (rates[b] > rates[best] and self.accepted[b].value > self.accepted[best].value):
+                best = b
         if self.probe_every and count % self.probe_every == 0:
             i = self.budgets.index(best)
             below = self.budgets[i - 1] if i > 0 else None

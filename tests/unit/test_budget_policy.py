@@ -75,6 +75,21 @@ def test_the_chain_fallback_is_one_more_choice_below_the_smallest_tree(accepted,
     assert policy.summary().startswith("batch 1: chain: ") and ", B=16: " in policy.summary()
 
 
+def test_with_equal_acceptance_a_larger_choice_never_wins_on_time_alone():
+    """Nothing accepted, and noise has put the trees' step-time medians below the chain's (H100, 2026-12-06: trees
+    took 241 of 2079 steps that way): the chain still wins every step but the probes, since no tree accepts more."""
+    seconds = {15: 1.00, 16: 0.97, 32: 0.98, 64: 0.99}  # inverted by noise
+    policy = CostAwareBudget([16, 32, 64, 15], chain=15, probe_every=32)
+    chosen = Engine(policy, lambda n, b: seconds[b], lambda b: 0).run(batch=1, steps=400)
+    counts = settled(chosen)
+    assert counts[15] == 256 - 256 // 32 and set(counts) == {15, 16}, counts  # the probes try the next choice
+    # Where the larger choice does accept more, its rate decides as before.
+    policy = CostAwareBudget([16, 32, 64, 15], chain=15, probe_every=32)
+    more = {15: 0.0, 16: 0.0, 32: 0.5, 64: 0.5}
+    chosen = Engine(policy, lambda n, b: seconds[b], lambda b: more[b]).run(batch=1, steps=400)
+    assert settled(chosen).most_common(1)[0][0] == 32
+
+
 def test_settles_at_batch_1_where_each_request_accepts_anything_from_0_to_the_depth():
     """One request per step, its accepted count drawn from 0..2 x mean (a step's sample says little): the choice
     rests on the last requests' mean, not on the last step."""

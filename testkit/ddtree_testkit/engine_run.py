@@ -221,7 +221,8 @@ def main() -> None:
             results += llm.generate([prompt], params * 1, use_tqdm=False)
     else:
         results = llm.generate(prompts, params * len(prompts), use_tqdm=False)
-    out = {"token_ids": [list(r.outputs[0].token_ids) for r in results]}
+    out = {"token_ids": [list(r.outputs[0].token_ids) for r in results],
+           "num_cached_tokens": [r.num_cached_tokens for r in results]}  # prefix-cache hits per request
     if args.get("logprobs") is not None:  # each output token's own logprob
         out["logprobs"] = [
             [step[t].logprob for t, step in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)] for r in results

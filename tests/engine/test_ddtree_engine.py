@@ -37,6 +37,28 @@ def test_greedy_ddtree_equals_no_spec_batched(tiny_llama_dir, tiny_llama_dflash_
     assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2
 
 
+def test_a_second_turn_reuses_the_cached_blocks_ddtree_wrote(tiny_llama_dir, tiny_llama_dflash_dir):
+    """Prefix caching across turns: the second turn's prompt is the first turn's prompt and output, so it hits the
+    blocks the first turn left, generated tokens included, whose K/V ddtree's verify steps wrote and KV compaction
+    moved onto the accepted path. Both turns' outputs are no-spec's."""
+    block = 128  # the CPU engine's block size
+    first_prompt = [(37 * i) % 4000 + 100 for i in range(200)]
+    engine = {"model": str(tiny_llama_dir), "max_tokens": 200, "ignore_eos": True, "max_model_len": 1024,
+              "enable_prefix_caching": True}
+    first = run_engine(prompt_token_ids=[first_prompt], **engine)["token_ids"][0]
+    second_prompt = first_prompt + first
+    second = run_engine(prompt_token_ids=[second_prompt], **engine)["token_ids"][0]
+    prompts, reference = [first_prompt, second_prompt], [first, second]
+    result = run_engine(prompt_token_ids=prompts, one_at_a_time=True, spec=ddtree_spec(tiny_llama_dflash_dir, 16),
+                        oracle={"prompt_token_ids": prompts, "continuations": reference, "seed": 11}, **engine)
+    assert result["token_ids"] == reference
+    # 400 tokens of prefix: blocks 0-2 full, one held back for the drafter (vLLM's EAGLE rule): blocks 0 and 1, the
+    # second holding generated tokens 200-255.
+    assert result["num_cached_tokens"] == [0, 2 * block], result["num_cached_tokens"]
+    stats = result["spec_decode"]
+    assert stats["vllm:spec_decode_num_accepted_tokens"] > stats["vllm:spec_decode_num_drafts"] // 2
+
+
 def test_adaptive_budget_follows_the_batch_size_schedule(tiny_llama_dir, tiny_llama_dflash_dir, prompt_ids, reference):
     """The adaptive budget (vLLM's dynamic speculation schedule): every verify step of this batch of 4 verifies the
     first 3 nodes of a 16-node tree, and stays lossless."""

@@ -167,15 +167,17 @@ class CostAwareBudget:
             for b in self.budgets:
                 seconds = self._time(bucket, b).value
                 accepted = self.accepted[b].value
-                name = "chain" if b == self.chain else f"B={b}"
-                cells.append(f"{name}: {self.verified.get((bucket, b), 0)} steps"
+                cells.append(f"{self._label(b)}: {self.verified.get((bucket, b), 0)} steps"
                              + (f" ({1 + accepted:.2f} tokens / {1e3 * seconds:.2f} ms)"
                                 if seconds is not None and accepted is not None else ""))
             parts.append(f"batch {first}{'' if first == last else f'-{last}'}: " + ", ".join(cells))
         if any(self.counterfactual.values()):  # acceptance by choice reached the policy
             parts.append("samples from steps at another budget: " + ", ".join(
-                f"{'chain' if b == self.chain else f'B={b}'} {n}" for b, n in self.counterfactual.items()))
+                f"{self._label(b)} {n}" for b, n in self.counterfactual.items()))
         return "; ".join(parts) or "no verify steps"
+
+    def _label(self, budget: int) -> str:
+        return "chain" if budget == self.chain else f"B={budget}"
 
     def _time(self, bucket: int, budget: int) -> _Recent:
         key = (bucket, budget)

@@ -194,16 +194,22 @@ def request_latencies(outputs) -> dict:
     """Mean time to the first token and mean time per later token of a request, from vLLM's request metrics (engine
     core timestamps): they split tokens/s into what each request pays once (prefill, its first step) and the
     decode steps. None where vLLM kept no metrics."""
-    first, per_token = [], []
+    first, per_token, queued, scheduled_to_first = [], [], [], []
     for o in outputs:
         m, n = o.metrics, len(o.outputs[0].token_ids)
         if m is None or not m.first_token_ts:
             continue
         first.append(1e3 * m.first_token_latency)
+        # The engine core's clock splits the first token into the wait for a step (queued -> scheduled) and the
+        # steps from scheduling to the first output (scheduled -> first token).
+        if m.scheduled_ts:
+            queued.append(round(1e3 * (m.scheduled_ts - m.queued_ts), 1))
+            scheduled_to_first.append(round(1e3 * (m.first_token_ts - m.scheduled_ts), 1))
         if n > 1 and m.last_token_ts > m.first_token_ts:
             per_token.append(1e3 * (m.last_token_ts - m.first_token_ts) / (n - 1))
     return {"first_token_ms": round(statistics.fmean(first), 2) if first else None,
             "first_token_ms_each": [round(f, 1) for f in first],  # a mean over one prefill per group hides outliers
+            "queued_ms_each": queued, "scheduled_to_first_token_ms_each": scheduled_to_first,
             "decode_ms_per_token": round(statistics.fmean(per_token), 3) if per_token else None}
 
 
@@ -601,6 +607,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "async_scheduling": res.get("async_scheduling"), "model_runner": res.get("model_runner"),
                 "engine_start_s": res.get("engine_start_s"),
                 "first_token_ms": row.get("first_token_ms"), "first_token_ms_each": row.get("first_token_ms_each"),
+                "queued_ms_each": row.get("queued_ms_each"),
+                "scheduled_to_first_token_ms_each": row.get("scheduled_to_first_token_ms_each"),
                 "cached_prompt_tokens": row.get("cached_prompt_tokens"),
                 "decode_ms_per_token": row.get("decode_ms_per_token"),
             })
@@ -638,6 +646,12 @@ def print_table(table: list[dict]) -> None:
                  if "prefill_tokens_per_s" in t else "")
               + (f" (vs same-backend no-spec {t['outputs_differing_from_same_backend_no_spec']})"
                  if "outputs_differing_from_same_backend_no_spec" in t else ""))
+    for t in table:
+        if t.get("scheduled_to_first_token_ms_each"):
+            print(f"{t['config']:24s} {t['batch']:5d} median first token "
+                  f"{statistics.median(t['first_token_ms_each']):.1f} ms: queued "
+                  f"{statistics.median(t['queued_ms_each']):.1f}, scheduled -> first token "
+                  f"{statistics.median(t['scheduled_to_first_token_ms_each']):.1f}")
     for t in table:
         if t["accepted_per_position"]:
             print(f"{t['config']:24s} {t['batch']:5d} acceptance by position: "

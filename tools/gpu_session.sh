@@ -21,7 +21,8 @@
 #          against DDTree on a Qwen3-8B-shaped random target, plus FlashAttention 3 against the tree kernel at
 #          verify shapes (benchmarks/kernel_profile.py)
 #   tax    the tree tax on the Qwen3-8B shape: step times at batch 1, 8, 32 (bench_e2e.py --shape qwen3-8b)
-#   hostprofile  where a decode step's host time goes: py-spy over each configuration's engine (needs py-spy's wheel)
+#   hostprofile  where a decode step's host time goes: py-spy over each configuration's engine (needs py-spy's wheel;
+#          SHAPE=pair for the SmolLM2 pair)
 #   synthetic  the Qwen3-8B shape at the paper's acceptance (MATH-500: chain τ 7.79, DDTree 10.73) through synthetic
 #          acceptance (vllm_ddtree/synthetic_acceptance.py): end-to-end tokens/s, DDTree against the chain
 #   report  benchmarks/bench_ddtree.py's whole report (tax by batch x budget, the paper's τ, the SmolLM2 pair, 8k
@@ -180,14 +181,21 @@ phase_hostprofile() {
   # Sampled, an engine starts far slower (2026-12-02: none of three had finished in 165 s; torch.compile's bytecode
   # transform alone took 39-46 s, py-spy fell 1.5 s behind at 200 Hz): 100 Hz, 280 s per configuration, so one call
   # holds two (HOSTPROF_CONFIGS), and SIGINT on the time limit, on which py-spy still writes what it sampled.
-  local spy=/tmp/site/bin/py-spy name
+  # SHAPE=pair samples the SmolLM2 pair (held-out prompts) instead of a shape; HOSTPROF_ARGS adds bench_e2e options.
+  local spy=/tmp/site/bin/py-spy name target drafter models
   [[ -x $spy ]] || { echo "hostprofile: no py-spy (carry its manylinux wheel under .gpu/m*/)"; return 1; }
   mkdir -p "$RESULTS/host_profile"
+  if [[ ${SHAPE:-} == pair ]]; then
+    read -r target drafter < <(smollm2_pair)
+    models="--model $target --drafter $drafter --prompt-set heldout"
+  else
+    models="--shape ${SHAPE:-qwen3-8b}"
+  fi
   IFS=',' read -ra names <<< "${HOSTPROF_CONFIGS:-dflash,ddtree B=16}"
   for name in "${names[@]}"; do
     VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT -k 20 "${HOSTPROF_TIMEOUT:-280}" "$spy" record --idle \
       --subprocesses --rate 100 --format raw --output "$RESULTS/host_profile/${name// /_}.txt" -- \
-      python3 benchmarks/bench_e2e.py --shape "${SHAPE:-qwen3-8b}" --budgets 16 64 \
+      python3 benchmarks/bench_e2e.py $models --budgets 16 64 ${HOSTPROF_ARGS:-} \
       --batch-sizes ${HOSTPROF_BATCH:-1} --max-tokens 64 --num-prompts 16 --configs "$name" \
       --out "$RESULTS/host_profile/${name// /_}.json" > "$RESULTS/host_profile/${name// /_}.log" 2>&1
     echo "hostprofile $name exit $?"

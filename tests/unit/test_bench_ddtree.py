@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -344,3 +345,21 @@ def test_resume_skips_the_runs_an_earlier_call_finished(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "r.json").read_text())
     assert [r.get("resumed", False) for r in report["meta"]["runs"]] == [True, False]
     assert {r["config"] for r in report["rows"]} == {"no-spec", "dflash", "ddtree B=16"}
+
+
+def test_request_latencies_split_the_first_token_on_the_engine_cores_clock():
+    """The default's first token came about one decode step after the chain's (H100, 2026-12-06): whether a request
+    waits for a step or waits in one is the split of its engine-core timestamps."""
+    be = _bench_e2e()
+
+    def output(queued, scheduled, first, last, latency, tokens):
+        metrics = SimpleNamespace(queued_ts=queued, scheduled_ts=scheduled, first_token_ts=first,
+                                  last_token_ts=last, first_token_latency=latency)
+        return SimpleNamespace(metrics=metrics, outputs=[SimpleNamespace(token_ids=[0] * tokens)])
+
+    lat = be.request_latencies([output(10.0, 10.002, 10.030, 10.330, 0.031, 11),
+                                output(20.0, 20.0075, 20.020, 20.020, 0.021, 1)])
+    assert lat["queued_ms_each"] == [2.0, 7.5]
+    assert lat["scheduled_to_first_token_ms_each"] == [28.0, 12.5]
+    assert lat["first_token_ms_each"] == [31.0, 21.0]
+    assert lat["decode_ms_per_token"] == pytest.approx(30.0)  # the one-token request has no decode

@@ -14,8 +14,9 @@ One verify step, in the order the runner adapters (``v1/``, ``mrv2/``) call it:
 
 With the chain fallback on (``"tree_budgets": ["chain", ...]``, docs/cost-aware-budget.md) a step whose widest
 request was scheduled ``depth`` drafts is a *chain step*: every request of it verifies the first drafts of its
-DFlash chain (filed beside its tree), causally, on vLLM's attention; the walk, compaction and linearisation run on
-the chain as on any tree. The step decides, not the request: fed tokens, attention and walk must agree for all.
+DFlash chain (filed beside its tree), causally, on vLLM's attention; the walk runs on the chain as on any tree, while
+KV compaction and linearisation have nothing to do (positions stay linear, accepted nodes 0..k sit at their path
+slots already) and are skipped. The step decides, not the request: fed tokens, attention and walk must agree for all.
 
 With budget choices (``"tree_budgets"``) the walk also fills ``by_choice``: what each choice would have accepted on
 the step's tokens (``acceptance_by_choice``), which the adapters hand to the scheduler's budget policy.
@@ -205,9 +206,10 @@ class TreeVerifyCore:
         self.timer.mark("walked")
         if self.check_ranks:
             check_ranks_agree(walk.accepted_node_ids[:num_reqs])
-        cu = step.rows.cu_num_logits[: num_reqs + 1]
-        ctx_lens = seq_lens[:num_reqs] - (cu[1:] - cu[:-1])  # the roots' positions s
-        self.compaction(block_table, ctx_lens, walk.accepted_node_ids[:num_reqs])
+        if not step.chain:  # a chain's accepted nodes 0..k already sit at s..s+k
+            cu = step.rows.cu_num_logits[: num_reqs + 1]
+            ctx_lens = seq_lens[:num_reqs] - (cu[1:] - cu[:-1])  # the roots' positions s
+            self.compaction(block_table, ctx_lens, walk.accepted_node_ids[:num_reqs])
         if self.hybrid is not None:
             self.hybrid.relayout(num_reqs, walk.accepted_node_ids, walk.num_accepted)
         self.timer.mark("compacted")
@@ -247,7 +249,10 @@ class TreeVerifyCore:
 
     def linearise(self, step: VerifyStep) -> torch.Tensor | None:
         """Positions back to linear; once walked, the row permutation [T] putting each accepted path right after
-        its root (what DFlash's input preparation expects of a chain), else None."""
+        its root (what DFlash's input preparation expects of a chain), else None. None on a chain step: its
+        positions stayed linear and each accepted path already follows its root."""
+        if step.chain:
+            return None
         accepted = self.walk_out.accepted_node_ids[: step.num_reqs] if step.walked else None
         return self._linearise_rows(step.rows, step.prepared, accepted, self._identity)
 

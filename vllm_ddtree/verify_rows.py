@@ -19,7 +19,7 @@ A chain step (``chains`` given: the chain fallback, ``verify_core``) verifies ea
 the guard is the same (the runner fed the tree's first drafts), then the chain's tokens overwrite the fed drafts
 (the same tokens where the drafter knew and filed only the chain, ``tree.build.build_chain``), the verify tree is
 the chain (node i: parent i - 1, depth i, so positions stay linear) and ``tree_rows`` stays -1,
-so attention is causal: vLLM's own kernel. The walk, compaction and linearisation need nothing else.
+so attention is causal: vLLM's own kernel. The walk needs nothing else; compaction and linearisation are skipped.
 
 After the walk (``linearise_rows``), for the drafter: the linear positions back, and the row permutation that puts
 each accepted path right after its root (``chain_order``), so the drafter (and logprobs) see a plain chain.

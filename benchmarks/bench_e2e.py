@@ -103,6 +103,7 @@ def worker(args: dict) -> dict:
         disable_custom_all_reduce=os.environ.get("BENCH_DISABLE_CUSTOM_ALL_REDUCE") == "1",
         compilation_config=args["capture_sizes"],
         disable_log_stats=False,
+        enable_logging_iteration_details=args.get("iteration_details", False),
         seed=0,
         **(hybrid_engine_args() if args["hybrid"] else {}),
         limit_mm_per_prompt=TEXT_ONLY_MM_LIMITS if args.get("multimodal") else None,  # text prompts only
@@ -283,6 +284,9 @@ def main() -> None:
                         "what DDTree runs on (V1 runner, TRITON_ATTN): separates kernel rounding from DDTree itself")
     parser.add_argument("--step-timing", action="store_true", help="DDTree configurations report where a step's time "
                         "goes (vllm_ddtree/step_timing.py), over all their batch sizes: give one batch size")
+    parser.add_argument("--iteration-details", action="store_true", help="vLLM logs every engine step (requests and "
+                        "tokens of prefill and decode, time to its output) into each engine's log: with --keep-logs, "
+                        "the steps between a request's scheduling and its first token")
     parser.add_argument("--async-ab", action="store_true", help="also run every budget with async scheduling "
                         "(--async-scheduling; vLLM turns it on for the chain on GPU and off for ddtree by default)")
     parser.add_argument("--budget-schedule", type=json.loads, default=None, help="also run 'ddtree adaptive': the "
@@ -440,6 +444,7 @@ def main() -> None:
         "in_process": not on_gpu and args.tensor_parallel_size == 1,
         "hybrid": "linear_num_value_heads" in target_config.get("text_config", target_config),
         "multimodal": "vision_config" in target_config,
+        "iteration_details": args.iteration_details,
     }
     if base["hybrid"] and not on_gpu:
         base["dtype"] = "bfloat16"  # vLLM's CPU GDN layers run in bfloat16 only

@@ -10,7 +10,8 @@ function it passes through) and the functions with the most samples of their own
     python benchmarks/host_profile.py DIR [--top 30] [--out DIR/host_profile.json]
 
 DIR holds ``<config>.txt``. Only samples under ``LOOP_ROOT`` (the engine core's step) count, so engine start-up and
-compilation stay out.
+compilation stay out. Where bench_e2e's ``<config>.json`` lies beside it, each share is also given in ms per engine
+step (the share times the run's ms per step; py-spy runs with ``--idle``, so waits for the GPU count too).
 """
 
 from __future__ import annotations
@@ -21,18 +22,20 @@ import re
 from collections import Counter
 from pathlib import Path
 
-LOOP_ROOT = re.compile(r"^(step|step_with_batch_queue) \(.*engine/core\.py")
+# py-spy 0.4 qualifies methods with their class ("EngineCore.step_with_batch_queue (vllm/v1/engine/core.py:663)").
+QUALIFIED = r"^(?:\w+\.)*"
+LOOP_ROOT = re.compile(QUALIFIED + r"(step|step_with_batch_queue) \(.*engine/core\.py")
 # Frames of interest, inclusive (function name and a path fragment).
 WATCHED = (
     ("vllm_ddtree (all)", r"vllm_ddtree/"),
-    ("scheduler", r"^schedule \(.*scheduler\.py"),
-    ("execute_model", r"^execute_model \(.*gpu/model_runner\.py"),
-    ("sample_tokens", r"^sample_tokens \(.*gpu/model_runner\.py"),
-    ("prepare_inputs", r"^prepare_inputs \(.*gpu/model_runner\.py"),
-    ("speculator propose", r"^propose \(.*spec_decode"),
-    ("rejection / tree sampler", r"^__call__ \(.*(rejection_sampler|mrv2/sampler)\.py"),
-    ("triton launches", r"^run \(.*triton/runtime/jit\.py"),
-    ("cuda graph replay", r"^replay \(.*torch/cuda/graphs\.py"),
+    ("scheduler", QUALIFIED + r"schedule \(.*scheduler\.py"),
+    ("execute_model", QUALIFIED + r"execute_model \(.*gpu/model_runner\.py"),
+    ("sample_tokens", QUALIFIED + r"sample_tokens \(.*gpu/model_runner\.py"),
+    ("prepare_inputs", QUALIFIED + r"prepare_inputs \(.*gpu/model_runner\.py"),
+    ("speculator propose", QUALIFIED + r"propose \(.*spec_decode"),
+    ("rejection / tree sampler", QUALIFIED + r"__call__ \(.*(rejection_sampler|mrv2/sampler)\.py"),
+    ("triton launches", QUALIFIED + r"run \(.*triton/runtime/jit\.py"),
+    ("cuda graph replay", QUALIFIED + r"replay \(.*torch/cuda/graphs\.py"),
     ("output processing", r"output_processor\.py|process_outputs"),
 )
 
@@ -76,21 +79,34 @@ def summarise(stacks: list[tuple[list[str], int]], top: int) -> dict:
     }
 
 
+def bench_ms_per_step(path: Path) -> float | None:
+    """The run's ms per engine step from bench_e2e's JSON (its first row), None without one."""
+    if not path.exists():
+        return None
+    table = json.loads(path.read_text()).get("table") or [{}]
+    return table[0].get("ms_per_step")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    report = {path.stem: summarise(read_folded(path), args.top) for path in sorted(args.directory.glob("*.txt"))}
+    report = {}
+    for path in sorted(args.directory.glob("*.txt")):
+        report[path.stem] = entry = summarise(read_folded(path), args.top)
+        entry["ms_per_step"] = bench_ms_per_step(path.with_suffix(".json"))
     for config, entry in report.items():
-        print(f"\n== {config}: {entry['loop_samples']} samples in the engine step")
+        ms = entry["ms_per_step"]
+        print(f"\n== {config}: {entry['loop_samples']} samples in the engine step"
+              + (f"; {ms:.2f} ms per step (bench_e2e)" if ms else ""))
         for title, key in (("inclusive, % of the step's samples", "watched_pct"),
                            ("vllm_ddtree functions, inclusive %", "ours_inclusive_pct"),
                            ("own samples (self) %", "self_pct")):
-            print(f"-- {title}")
+            print(f"-- {title}" + (", ms per step" if ms else ""))
             for name, pct in entry[key].items():
-                print(f"  {pct:6.1f}  {name[:140]}")
+                print(f"  {pct:6.1f}" + (f" {pct * ms / 100:6.3f}" if ms else "") + f"  {name[:140]}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     return report

@@ -136,11 +136,14 @@ phase_speed() {
   # Issue 18/19: bf16 tokens/s as vLLM runs each method (the chain on Model Runner V2 with FlashAttention 3),
   # SmolLM2 + the trained drafter, 12 held-out prompts x 128 tokens, every ratio from this one run. Engines start in
   # turn; SIDE_BY_SIDE=--concurrent-engines starts them side by side (timings then not trusted: see bench_e2e).
+  # SPEED_PROMPTS lengthens the run (up to 108 held-out prompts): 12 prompts at batch 8 are one group of 8 and one of
+  # 4, where first tokens and the cost-aware budget's first steps weigh most (H100, 2026-12-06: the default made
+  # 0.93x the chain there, and 1.39x over 64 prompts x 128 under py-spy).
   local target drafter
   read -r target drafter < <(smollm2_pair)
   timeout "${SPEED_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
-    --prompt-set heldout --num-prompts 12 --budgets ${SPEED_BUDGETS:-16 64} --batch-sizes ${SPEED_BATCHES:-1 8} \
-    --max-tokens 128 ${SIDE_BY_SIDE:-} ${SPEED_ARGS:-} --configs "${SPEED_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" \
+    --prompt-set heldout --num-prompts "${SPEED_PROMPTS:-12}" --budgets ${SPEED_BUDGETS:-16 64} \
+    --batch-sizes ${SPEED_BATCHES:-1 8} --max-tokens 128 ${SIDE_BY_SIDE:-} ${SPEED_ARGS:-} --configs "${SPEED_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" \
     --out "$RESULTS/speed_bf16.json" > "$RESULTS/speed.log" 2>&1
   tail -16 "$RESULTS/speed.log"
 }
@@ -181,7 +184,9 @@ phase_hostprofile() {
   # Sampled, an engine starts far slower (2026-12-02: none of three had finished in 165 s; torch.compile's bytecode
   # transform alone took 39-46 s, py-spy fell 1.5 s behind at 200 Hz): 100 Hz, 280 s per configuration, so one call
   # holds two (HOSTPROF_CONFIGS), and SIGINT on the time limit, on which py-spy still writes what it sampled.
-  # SHAPE=pair samples the SmolLM2 pair (held-out prompts) instead of a shape; HOSTPROF_ARGS adds bench_e2e options.
+  # SHAPE=pair samples the SmolLM2 pair (held-out prompts) instead of a shape; HOSTPROF_ARGS adds bench_e2e options;
+  # HOSTPROF_PROMPTS / HOSTPROF_TOKENS lengthen the timed pass, HOSTPROF_RATE samples faster. --nonblocking: py-spy
+  # reads the process without pausing it (the pauses slowed the sampled engine's start-up most).
   local spy=/tmp/site/bin/py-spy name target drafter models
   [[ -x $spy ]] || { echo "hostprofile: no py-spy (carry its manylinux wheel under .gpu/m*/)"; return 1; }
   mkdir -p "$RESULTS/host_profile"
@@ -194,9 +199,11 @@ phase_hostprofile() {
   IFS=',' read -ra names <<< "${HOSTPROF_CONFIGS:-dflash,ddtree B=16}"
   for name in "${names[@]}"; do
     VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT -k 20 "${HOSTPROF_TIMEOUT:-280}" "$spy" record --idle \
-      --subprocesses --rate 100 --format raw --output "$RESULTS/host_profile/${name// /_}.txt" -- \
+      --nonblocking --subprocesses --rate "${HOSTPROF_RATE:-100}" --format raw \
+      --output "$RESULTS/host_profile/${name// /_}.txt" -- \
       python3 benchmarks/bench_e2e.py $models --budgets 16 64 ${HOSTPROF_ARGS:-} \
-      --batch-sizes ${HOSTPROF_BATCH:-1} --max-tokens 64 --num-prompts 16 --configs "$name" \
+      --batch-sizes ${HOSTPROF_BATCH:-1} --max-tokens "${HOSTPROF_TOKENS:-64}" \
+      --num-prompts "${HOSTPROF_PROMPTS:-16}" --configs "$name" \
       --out "$RESULTS/host_profile/${name// /_}.json" > "$RESULTS/host_profile/${name// /_}.log" 2>&1
     echo "hostprofile $name exit $?"
   done

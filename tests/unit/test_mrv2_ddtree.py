@@ -1078,6 +1078,12 @@ def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(m
     args, kwargs = seen.pop()
     assert args == (batch, "meta", "slot_maps", hidden, None) and len(filed) == 1  # a dummy run files nothing
     assert kwargs == {**named, "dummy_run": True, "skip_attn_for_dummy_run": True, "is_profile": False}
+    # DFlash's auxiliary layers: one gathered concatenation (DFlash concatenates them), rows of the first num_tokens.
+    aux = [torch.tensor([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]]), torch.tensor([[5.0], [6.0], [9.0]])]
+    fake.propose(batch, "meta", "slot_maps", hidden, aux, *rest)
+    args, _ = seen.pop()
+    assert len(args[4]) == 1 and torch.equal(torch.cat(args[4], dim=-1),
+                                             torch.cat(aux, dim=-1)[:2].index_select(0, order))
 
 
 def test_handover_files_each_batch_row_under_its_request_slot_with_a_new_epoch():

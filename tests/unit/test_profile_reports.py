@@ -37,18 +37,41 @@ def test_kernel_profile_sums_matrix_products_and_counts_launches():
 def test_host_profile_counts_only_the_engine_step(tmp_path):
     """Samples outside the engine core's step (start-up, compilation) are left out; a stack counts once per
     function it passes through (inclusive) and once for its innermost frame (self)."""
-    step = "step (/site/vllm/v1/engine/core.py:580)"
-    run = "execute_model (/site/vllm/v1/worker/gpu/model_runner.py:1200)"
+    step = "EngineCore.step (/site/vllm/v1/engine/core.py:580)"  # py-spy 0.4 names the class
+    run = "GPUModelRunner.execute_model (/site/vllm/v1/worker/gpu/model_runner.py:1200)"
     ours = "walk (/repo/vllm_ddtree/verify_core.py:150)"
     (tmp_path / "ddtree.txt").write_text("\n".join([
         f"process 1;main (x.py:1);{step};{run};{ours};_walk_rows (/repo/vllm_ddtree/verify_core.py:170) 30",
         f"process 1;main (x.py:1);{step};{run};cudaLaunch (libcuda.so) 50",
-        f"process 1;main (x.py:1);{step};schedule (/site/vllm/v1/core/sched/scheduler.py:430) 20",
+        f"process 1;main (x.py:1);{step};Scheduler.schedule (/site/vllm/v1/core/sched/scheduler.py:430) 20",
         "process 1;main (x.py:1);compile (/site/torch/_inductor/compile.py:9) 900",
     ]) + "\n")
+    (tmp_path / "ddtree.json").write_text('{"table": [{"ms_per_step": 4.5}]}')
     entry = hp.main([str(tmp_path)])["ddtree"]
     assert entry["loop_samples"] == 100
+    assert entry["ms_per_step"] == 4.5
     assert entry["watched_pct"]["execute_model"] == 80.0 and entry["watched_pct"]["scheduler"] == 20.0
     assert entry["watched_pct"]["vllm_ddtree (all)"] == 30.0
     assert entry["ours_inclusive_pct"][ours] == 30.0
     assert entry["self_pct"]["cudaLaunch (libcuda.so)"] == pytest.approx(50.0)
+
+
+def test_gc_pauses_counts_collections_per_generation(tmp_path):
+    """vLLM's VLLM_GC_DEBUG lines (vllm/utils/gc_utils.py) among other log lines: counted per generation, with the
+    total, the longest pause and the pauses of 5 ms or more."""
+    gp = _load("gc_pauses")
+    log = tmp_path / "tax.ddtree_default.log"
+    log.write_text("\n".join([
+        "(EngineCore pid=1) INFO 12-06 11:56:51 [gc_utils.py:84] GC took 0.120ms to complete. Collected 3 objects "
+        "(out of 700) in GC generation 0.",
+        "(EngineCore pid=1) INFO 12-06 11:56:51 [loggers.py:182] Engine 000: Iteration(3): 0 context requests",
+        "(EngineCore pid=1) INFO 12-06 11:56:52 [gc_utils.py:84] GC took 21.500ms to complete. Collected ? objects "
+        "(out of 250000) in GC generation 2.",
+        "(EngineCore pid=1) INFO 12-06 11:56:53 [gc_utils.py:84] GC took 0.380ms to complete. Collected 0 objects "
+        "(out of 900) in GC generation 0.",
+    ]) + "\n")
+    entry = gp.main([str(log)])[log.name]
+    assert entry["collections"] == 3 and entry["total_ms"] == 22.0
+    assert entry["by_generation"][0] == {"count": 2, "total_ms": 0.5, "max_ms": 0.38, "at_least_5_ms": 0,
+                                         "max_objects": 900}
+    assert entry["by_generation"][2]["at_least_5_ms"] == 1 and entry["by_generation"][2]["max_objects"] == 250000

@@ -181,7 +181,10 @@ class DDTreeSpeculator(DFlashSpeculator):
             if order is not None:  # DFlash takes every scheduled row as context: the path must come first
                 num_tokens = input_batch.num_tokens
                 if aux_hidden_states:
-                    aux_hidden_states = [h[:num_tokens].index_select(0, order) for h in aux_hidden_states]
+                    # DFlash concatenates the layers before its row-wise projection: one gather of the concatenation
+                    # (a list of one) is the same input in fewer launches than a gather per layer.
+                    aux_hidden_states = [torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+                                         .index_select(0, order)]
                 else:
                     last_hidden_states = last_hidden_states[:num_tokens].index_select(0, order)
             core.timer.mark("linearised")

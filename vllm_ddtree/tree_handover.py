@@ -20,9 +20,12 @@ request id a slot on the host.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm_ddtree.tree.layout import TreeBatch
+from vllm_ddtree.tree_handover_triton import file_trees_triton
 from vllm_ddtree.verify_rows import TREE_FIELDS
 
 TREE_STATE_FIELDS = (*TREE_FIELDS, "num_nodes")
@@ -37,6 +40,9 @@ class TreeHandover:
         self.chains = torch.zeros(max_slots, chain_depth, dtype=torch.int64, device=device) if chain_depth else None
         self.stamp = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        # One Triton launch on CUDA (and under TRITON_INTERPRET in tests); the torch reference elsewhere.
+        use_triton = torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        self._file = file_trees_triton if use_triton else file_trees_torch
 
     @property
     def budget(self) -> int:
@@ -46,13 +52,21 @@ class TreeHandover:
              batch_chains: torch.Tensor | None = None) -> None:
         """``trees[slots[r]] = batch_trees[r]`` (and ``chains[slots[r]] = batch_chains[r]`` with the chain fallback
         on) for the draft step's ``num_reqs`` rows, stamped with a new epoch."""
-        slots = slots[:num_reqs].to(torch.int64)
         self.epoch += 1
-        for name in TREE_STATE_FIELDS:
-            getattr(self.trees, name).index_copy_(0, slots, getattr(batch_trees, name)[:num_reqs])
-        if self.chains is not None:
-            self.chains.index_copy_(0, slots, batch_chains[:num_reqs])
-        self.stamp.index_copy_(0, slots, self.epoch.expand(num_reqs).clone())
+        self._file(slots[:num_reqs], batch_trees, num_reqs, self.trees, self.chains, batch_chains, self.stamp,
+                   self.epoch)
+
+
+def file_trees_torch(slots: torch.Tensor, batch_trees: TreeBatch, num_reqs: int, trees: TreeBatch,
+                     chains: torch.Tensor | None, batch_chains: torch.Tensor | None, stamp: torch.Tensor,
+                     epoch: torch.Tensor) -> None:
+    """The reference of ``tree_handover_triton.file_trees_triton``: an index copy per field."""
+    slots = slots[:num_reqs].to(torch.int64)
+    for name in TREE_STATE_FIELDS:
+        getattr(trees, name).index_copy_(0, slots, getattr(batch_trees, name)[:num_reqs])
+    if chains is not None:
+        chains.index_copy_(0, slots, batch_chains[:num_reqs])
+    stamp.index_copy_(0, slots, epoch.expand(num_reqs).clone())
 
 
 class RequestSlots:

@@ -124,6 +124,10 @@ CALLS = [
     ("test_hybrid_gdn", "test_stash_keeps_a_layers_rows_in_one_launch", {"tokens": 70}),
     ("test_mrv2_ddtree", "test_prepare_rows_kernel_equals_its_torch_reference", {"seed": 0, "tamper": "mrope"}),
     ("test_mrv2_ddtree", "test_chain_ancestor_bits_fill_whole_words_in_kernel_and_reference", {}),
+    ("test_mrv2_ddtree", "test_handover_files_each_batch_row_under_its_request_slot_with_a_new_epoch",
+     {"impl": "triton", "chains": True, "budget": 64}),
+    ("test_mrv2_ddtree", "test_handover_files_each_batch_row_under_its_request_slot_with_a_new_epoch",
+     {"impl": "triton", "chains": False, "budget": 64}),
     ("test_tree_build", "test_build_matches_heap_random",
      {"budget": 16, "vocab_vs_budget": "vocab_above_budget", "build": {"use_triton": True}}),
 ]

@@ -1086,21 +1086,35 @@ def test_propose_passes_the_runners_arguments_to_dflash_by_position_or_by_name(m
                                              torch.cat(aux, dim=-1)[:2].index_select(0, order))
 
 
-def test_handover_files_each_batch_row_under_its_request_slot_with_a_new_epoch():
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("chains", [True, False])
+@pytest.mark.parametrize("budget", [BUDGET, 40])
+def test_handover_files_each_batch_row_under_its_request_slot_with_a_new_epoch(impl, chains, budget):
+    """The Triton filing (CUDA's) and its torch reference (the CPU engine's), with and without the chain fallback,
+    trees of one and of two ancestor words."""
+    from vllm_ddtree.tree_handover import file_trees_torch
+    from vllm_ddtree.tree_handover_triton import file_trees_triton
+
     gen = torch.Generator().manual_seed(4)
-    batch_trees = TreeBatch.allocate(MAX_REQS, BUDGET, "cpu")
-    build_tree(torch.randn(3, DEPTH, VOCAB, generator=gen), BUDGET, batch_trees, torch.tensor([1, 2, 3]))
-    batch_chains = torch.randint(0, VOCAB, (MAX_REQS, DEPTH), generator=gen)
-    handover = TreeHandover(MAX_REQS, BUDGET, torch.device("cpu"), DEPTH)
+    batch_trees = TreeBatch.allocate(MAX_REQS, budget, "cpu")
+    build_tree(torch.randn(3, DEPTH, VOCAB, generator=gen), budget, batch_trees, torch.tensor([1, 2, 3]))
+    batch_chains = torch.randint(0, VOCAB, (MAX_REQS, DEPTH), generator=gen) if chains else None
+    handover = TreeHandover(MAX_REQS, budget, torch.device("cpu"), DEPTH if chains else 0)
+    handover._file = {"triton": file_trees_triton, "torch": file_trees_torch}[impl]
     idx_mapping = torch.tensor([6, 0, 3], dtype=torch.int32)
     handover.file(idx_mapping, batch_trees, 3, batch_chains)
     handover.file(idx_mapping[:1], batch_trees, 1, batch_chains)  # a later draft step with one request
+    assert int(batch_trees.num_nodes[:3].min()) == budget
     for row, slot in enumerate(idx_mapping.tolist()):
         for name in (*TREE_FIELDS, "num_nodes"):
             assert torch.equal(getattr(handover.trees, name)[slot], getattr(batch_trees, name)[row])
-        assert torch.equal(handover.chains[slot], batch_chains[row])
-    assert int(handover.trees.num_nodes[1]) == 0  # untouched slots stay empty
+        if chains:
+            assert torch.equal(handover.chains[slot], batch_chains[row])
+    empty = TreeBatch.allocate(1, budget, "cpu")
+    for name in (*TREE_FIELDS, "num_nodes"):  # untouched slots stay empty
+        assert torch.equal(getattr(handover.trees, name)[1], getattr(empty, name)[0]), name
     assert handover.stamp[[6, 0, 3, 1]].tolist() == [2, 1, 1, -1] and int(handover.epoch) == 2
+    assert (handover.chains is None) != chains or not handover.chains[1].any()
 
 
 def test_request_slots_are_stable_and_reused_once_a_request_is_gone():

@@ -56,7 +56,8 @@ def file_trees_triton(slots: torch.Tensor, batch_trees: TreeBatch, num_reqs: int
     for src, dst in ((batch_trees.token_ids, trees.token_ids), (batch_trees.parents, trees.parents),
                      (batch_trees.depths, trees.depths), (batch_trees.ancestor_bits, trees.ancestor_bits),
                      (batch_chains, chains)):
-        assert src is None or (src.is_contiguous() and dst.is_contiguous()), "the hand-over's rows are contiguous"
+        assert src is None or (src.is_contiguous() and dst.is_contiguous() and src.shape[1:] == dst.shape[1:]), \
+            "the hand-over's rows are contiguous and shaped alike"
     _file_trees_kernel[(num_reqs,)](
         slots, epoch, stamp,
         batch_trees.token_ids, trees.token_ids, batch_trees.parents, trees.parents, batch_trees.depths, trees.depths,

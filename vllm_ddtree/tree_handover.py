@@ -20,10 +20,9 @@ request id a slot on the host.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm_ddtree.kernel_choice import triton_kernels_on
 from vllm_ddtree.tree.layout import TreeBatch
 from vllm_ddtree.tree_handover_triton import file_trees_triton
 from vllm_ddtree.verify_rows import TREE_FIELDS
@@ -41,8 +40,7 @@ class TreeHandover:
         self.stamp = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         # One Triton launch on CUDA (and under TRITON_INTERPRET in tests); the torch reference elsewhere.
-        use_triton = torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        self._file = file_trees_triton if use_triton else file_trees_torch
+        self._file = file_trees_triton if triton_kernels_on(device) else file_trees_torch
 
     @property
     def budget(self) -> int:

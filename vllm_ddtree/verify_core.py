@@ -37,6 +37,7 @@ import torch
 from vllm_ddtree.acceptance_by_choice import ChoiceAcceptance
 from vllm_ddtree.config import chain_fallback
 from vllm_ddtree.cuda_graphs import GraphedStep, largest_bucket
+from vllm_ddtree.kernel_choice import triton_kernels_on
 from vllm_ddtree.sampler import TreeWalkOutput, walk_tree
 from vllm_ddtree.step_timing import StepTimer
 from vllm_ddtree.synthetic_acceptance import SyntheticAcceptance
@@ -134,7 +135,7 @@ class TreeVerifyCore:
         self.by_choice = (ChoiceAcceptance(choices, depth, max_reqs, device, chain=handover.chains is not None)
                           if choices else None)
         # One Triton launch each way on CUDA (and under TRITON_INTERPRET in tests); the torch reference elsewhere.
-        use_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        use_triton = triton_kernels_on(device)
         self._prepare_rows = prepare_rows_triton if use_triton else prepare_rows_torch
         self._linearise_rows = linearise_rows_triton if use_triton else linearise_rows_torch
         self._walk_tree = walk_tree_triton if use_triton else walk_tree

@@ -18,13 +18,21 @@ scheduler picks the budget b that maximises expected tokens per second,
   a bucket's first steps of a kind can take many times their later cost, and a budget that is only probed now and
   then carried such a sample for the rest of a run (H100, 2026-12-05: the chain's estimate at batch 1 stayed at
   27-40 ms where its steps took about 3 ms, and the policy left it).
+- Pipelined engines: with asynchronous scheduling vLLM schedules and launches step k+1 before it takes step k's
+  output, so the interval that ends at step k's output holds step k+1's host work beside step k's device time.
+  Where the host bounds the step (a small model), that interval is step k+1's cost. So it counts for b only where
+  the step scheduled after k (``observe_step``'s ``next_step``) also verifies b alone at the same batch bucket,
+  and probes run two steps: one interval then holds nothing but the probed budget. (H100, 2026-12-06, the small
+  pair at batch 1: per-step medians chain 6.02, B=16 6.84, B=32 6.55, B=64 4.36 ms, where the default's steps
+  averaged 6.3 ms and the chain engine's 4.6: each probe had been timed on its neighbours' host work.)
 
 Both come from what vLLM's scheduler already sees on the host (each output's accepted counts and when it arrives),
 so the choice costs no device sync. Budgets not yet measured for a bucket (fewer than ``min_requests`` requests, or
 fewer than ``min_steps`` step times) are tried first, smallest first, for as long as each measured one does at
 least as well as the one below it: tokens/s is unimodal in the budget (CaDDTree), so past its peak the larger,
 costlier trees (eager steps beyond the CUDA graphs at large batches) are not worth a try. Then every
-``probe_every``-th step of a bucket verifies a budget next to the best one, alternating below and above, so the
+``probe_every``-th step of a bucket and the one after it verify a budget next to the best one, alternating below
+and above, so the
 estimates follow the workload: when nothing is accepted the smallest budget wins; when the trees' acceptance pays
 for a larger verify, a larger one does, and the budgets above it come within reach. The chain fallback is one more
 choice (``chain``: its draft count, the tree depth), below the smallest tree.
@@ -32,7 +40,7 @@ choice (``chain``: its draft count, the tree depth), below the smallest tree.
 A budget is chosen over a smaller one only where it also accepts more. Step times are medians of a few noisy
 samples, and with nothing accepted two choices differ by a few percent (H100, 2026-12-06, Qwen3-8B shape at batch
 1: chain 7.67 ms, B=16 7.86, B=32 8.81, B=64 8.89): ranked by time alone, trees whose medians dipped below the
-chain's took 241 of 2079 steps, where the probes alone take one in 32. A larger choice costs at least as much per
+chain's took 241 of 2079 steps, where the probes then took one in 32. A larger choice costs at least as much per
 step, so where its acceptance is no higher the smaller one is the better choice.
 """
 
@@ -45,6 +53,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+PROBE_STEPS = 2  # consecutive steps per probe: the second's scheduling shares the first's interval (docstring)
 
 class _Recent:
     """``statistic`` of the last ``size`` samples; None until ``least`` samples."""
@@ -119,7 +128,7 @@ class CostAwareBudget:
             # step-time noise alone would choose it (module docstring).
             if best is None or (rates[b] > rates[best] and self.accepted[b].value > self.accepted[best].value):
                 best = b
-        if self.probe_every and count % self.probe_every == 0:
+        if self.probe_every and count % self.probe_every < PROBE_STEPS:
             i = self.budgets.index(best)
             below = self.budgets[i - 1] if i > 0 else None
             above = self.budgets[i + 1] if i + 1 < len(self.budgets) else None
@@ -131,12 +140,14 @@ class CostAwareBudget:
         """One request of the step whose output is being processed: the drafts it accepted."""
         self._step_accepted.append(num_accepted_tokens)
 
-    def observe_step(self, batch_size: int, budget: int, verify_only: bool, by_choice=None) -> None:
+    def observe_step(self, batch_size: int, budget: int, verify_only: bool, by_choice=None,
+                     next_step: tuple[int, int, bool] | None = None) -> None:
         """A step's output arrived (after its ``observe_request`` calls). ``verify_only``: every request of the step
         verified exactly ``budget`` drafts and nothing else ran (no prefill chunk). ``by_choice`` ``[requests,
         choices]`` (-1: unknown; columns in ``budgets`` order): what each choice would have accepted for each
         request verified in the step; it then stands for the ``observe_request`` samples, and every choice's window
-        takes its known entries."""
+        takes its known entries. ``next_step``: ``(batch_size, budget, verify_only)`` of the step the engine
+        scheduled after this one before this output arrived (asynchronous scheduling), None where it had not."""
         now = self.clock()
         accepted, self._step_accepted = self._step_accepted, []
         if by_choice is not None:
@@ -153,8 +164,10 @@ class CostAwareBudget:
                 known = column[column >= 0].tolist()
                 self.accepted[b].extend(known)
                 self.counterfactual[b] += len(known) if b != budget else 0
-            if self._last_clean and self._last_output is not None:
-                self._time(batch_bucket(batch_size), budget).extend([now - self._last_output])
+            # The interval holds the next step's host work where one was scheduled before this output (above).
+            pure = next_step is None or (batch_bucket(next_step[0]), next_step[1], next_step[2]) == (*key, True)
+            if self._last_clean and self._last_output is not None and pure:
+                self._time(*key).extend([now - self._last_output])
         self._last_output, self._last_clean = now, verify_only
 
     def summary(self) -> str:

@@ -12,6 +12,7 @@ synchronous or asynchronous scheduler, whichever the engine runs.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -55,6 +56,14 @@ class _CostAwareBudgetMixin:
         self.budget_policy = CostAwareBudget(tree_budget_choices(spec),
                                              chain=spec.tree_depth if chain_fallback(spec) else None)
         self.dynamic_sd_lookup = self.budget_policy
+        # Scheduled steps whose outputs have not arrived, oldest first: with asynchronous scheduling the engine
+        # schedules (and launches) the next step before it takes a step's output (budget_policy: pipelined engines).
+        self._in_flight: deque[Any] = deque()
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        scheduler_output = super().schedule(*args, **kwargs)
+        self._in_flight.append(scheduler_output)
+        return scheduler_output
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
                                  num_invalid_spec_tokens, request_id):
@@ -66,8 +75,21 @@ class _CostAwareBudgetMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         budget, verify_only = verified_budget(scheduler_output)
         self.budget_policy.observe_step(len(scheduler_output.num_scheduled_tokens), budget, verify_only,
-                                        by_choice=acceptance_of_drafted(scheduler_output, model_runner_output))
+                                        by_choice=acceptance_of_drafted(scheduler_output, model_runner_output),
+                                        next_step=self._scheduled_after(scheduler_output))
         return outputs
+
+    def _scheduled_after(self, scheduler_output) -> tuple[int, int, bool] | None:
+        """Drop this step (and any older) from the steps in flight; the one scheduled after it, if any, as
+        ``(batch size, budget, verify_only)``."""
+        if not any(s is scheduler_output for s in self._in_flight):  # not scheduled here: nothing known
+            return None
+        while self._in_flight.popleft() is not scheduler_output:
+            pass
+        if not self._in_flight:
+            return None
+        after = self._in_flight[0]
+        return (len(after.num_scheduled_tokens), *verified_budget(after))
 
     def shutdown(self) -> None:
         logger.info("ddtree cost-aware budget, verify steps: %s", self.budget_policy.summary())

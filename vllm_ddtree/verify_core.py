@@ -14,9 +14,13 @@ One verify step, in the order the runner adapters (``v1/``, ``mrv2/``) call it:
 
 With the chain fallback on (``"tree_budgets": ["chain", ...]``, docs/cost-aware-budget.md) a step whose widest
 request was scheduled ``depth`` drafts is a *chain step*: every request of it verifies the first drafts of its
-DFlash chain (filed beside its tree), causally, on vLLM's attention; the walk runs on the chain as on any tree, while
-KV compaction and linearisation have nothing to do (positions stay linear, accepted nodes 0..k sit at their path
-slots already) and are skipped. The step decides, not the request: fed tokens, attention and walk must agree for all.
+DFlash chain (filed beside its tree; ``prepare`` swaps them in where the runner fed a tree's), causally, on vLLM's
+attention. KV compaction and linearisation have nothing to do (positions stay linear, accepted nodes 0..k sit at
+their path slots already) and are skipped. With ``runner_verifies_chains`` (Model Runner V2, whose rejection sampler
+reads the drafts from the fed rows that ``prepare`` swapped) the runner's own rejection sampler verifies chain steps,
+as in vLLM's DFlash chain engine, and the walk and the acceptance by choice are skipped (``runner_verified``);
+otherwise (V1, whose sampler reads the scheduler's drafts; synthetic acceptance) the walk runs on the chain as on any
+tree. The step decides, not the request: fed tokens, attention and verification must agree for all.
 
 With budget choices (``"tree_budgets"``) the walk also fills ``by_choice``: what each choice would have accepted on
 the step's tokens (``acceptance_by_choice``), which the adapters hand to the scheduler's budget policy.
@@ -116,8 +120,9 @@ class TreeVerifyCore:
     def __init__(self, handover: TreeHandover, depth: int, max_reqs: int, max_num_tokens: int,
                  device: torch.device, *, cuda_graphs: bool, verify_widths: frozenset[int] | None = None,
                  timer: StepTimer | None = None, synthetic: SyntheticAcceptance | None = None,
-                 choices: Sequence[int] | None = None):
-        """``choices``: the budget policy's (``config.budget_choices``), None for a fixed budget."""
+                 choices: Sequence[int] | None = None, runner_verifies_chains: bool = False):
+        """``choices``: the budget policy's (``config.budget_choices``), None for a fixed budget.
+        ``runner_verifies_chains``: the adapter hands chain steps to its runner's rejection sampler (docstring)."""
         self.handover = handover
         self.budget = handover.budget
         self.depth = depth
@@ -132,6 +137,8 @@ class TreeVerifyCore:
         self.node_tokens = torch.zeros(max_reqs, self.budget + 1, dtype=torch.int64, device=device)
         self.walk_out = TreeWalkOutput.allocate(max_reqs, depth, device)
         self.synthetic = synthetic  # benchmark mode: the accepted depth is drawn, not verified
+        assert not (runner_verifies_chains and synthetic is not None), "synthetic acceptance is the walk's"
+        self.runner_verifies_chains = runner_verifies_chains
         self.by_choice = (ChoiceAcceptance(choices, depth, max_reqs, device, chain=handover.chains is not None)
                           if choices else None)
         # One Triton launch each way on CUDA (and under TRITON_INTERPRET in tests); the torch reference elsewhere.
@@ -175,7 +182,7 @@ class TreeVerifyCore:
         chain = handover.chains is not None and int(num_drafts_cpu[: rows.num_reqs].max()) == self.depth
         prepared = self._prepare_rows(rows, handover.trees, handover.stamp, handover.epoch, self.verify_trees,
                                       self.tree_rows, self._row_buffers, handover.chains, chain)
-        if self.by_choice is not None:
+        if self.by_choice is not None and not (chain and self.runner_verifies_chains):
             self.by_choice.prepare(rows.slots[: rows.num_reqs], handover.chains)
         if self.check_trees and bool(prepared.refused_fresh.any()):
             bad = prepared.refused_fresh.nonzero().flatten().tolist()
@@ -215,6 +222,13 @@ class TreeVerifyCore:
             self.hybrid.relayout(num_reqs, walk.accepted_node_ids, walk.num_accepted)
         self.timer.mark("compacted")
         return walk
+
+    def runner_verified(self, step: VerifyStep) -> None:
+        """The runner's rejection sampler verified this chain step (``runner_verifies_chains``): attention goes back
+        to causal, and the drafter takes the step as it is (nothing to linearise). No acceptance by choice: the
+        scheduler takes the requests' own accepted counts for the chain."""
+        assert step.chain and self.runner_verifies_chains
+        self.attention.step = None
 
     def _walk_rows(self, rows: int) -> None:
         if self.synthetic is not None:

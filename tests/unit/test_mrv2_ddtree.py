@@ -379,7 +379,7 @@ class FakeStep:
     """Request state, filed trees and an InputBatch made by MRV2's own input kernels, as the runner makes them;
     ``speculator`` stands in for DDTreeSpeculator (its core and what the adapter methods read)."""
 
-    def __init__(self, seed: int = 0, requests=REQUESTS, choices=None):
+    def __init__(self, seed: int = 0, requests=REQUESTS, choices=None, runner_verifies_chains=False):
         from vllm.v1.worker.gpu.input_batch import (
             InputBuffers,
             combine_sampled_and_draft_tokens,
@@ -397,7 +397,7 @@ class FakeStep:
         self.handover.epoch.fill_(EPOCH)
         self.req_trees = self.handover.trees
         self.core = TreeVerifyCore(self.handover, DEPTH, MAX_REQS, MAX_TOKENS, torch.device("cpu"), cuda_graphs=False,
-                                   choices=choices)
+                                   choices=choices, runner_verifies_chains=runner_verifies_chains)
         self.speculator = SimpleNamespace(core=self.core, block_tables=None, bind_kv_caches=None)
         self.last_sampled = torch.randint(1, VOCAB, (MAX_REQS,), generator=gen)
         self.num_computed = torch.zeros(MAX_REQS, dtype=torch.int32)
@@ -866,6 +866,43 @@ def test_tree_sampler_falls_back_to_vllms_rejection_sampler_without_a_tree_step(
     tree_sampler = MRV2TreeSampler(step.speculator, sampler=None,
                                    fallback=lambda *args: calls.append(args) or "chain")
     assert tree_sampler("logits", "batch", None) == "chain" and len(calls) == 1
+
+
+def test_a_chain_step_goes_to_vllms_rejection_sampler_on_the_swapped_rows():
+    """Model Runner V2's speculator has the runner verify chain steps (``runner_verifies_chains``): its rejection
+    sampler reads each request's drafts from the fed rows, which ``prepare`` swapped for the chains, as vLLM's DFlash
+    chain engine would feed them. No walk and no acceptance by choice run; the drafter takes the step as a chain
+    (nothing to linearise). Tree steps still walk; without the flag (V1, synthetic acceptance) chain steps walk."""
+    from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
+
+    choices = [DEPTH, BUDGET]
+    step = FakeStep(0, CHAIN_REQUESTS, choices=choices, runner_verifies_chains=True)
+    step.core.by_choice.out.fill_(99)
+    verify = step.prepare()
+    assert verify.chain
+    seen = []
+
+    def fallback(logits, batch, draft_logits):
+        seen.append(batch.input_ids[batch.logits_indices].clone())
+        return "vllm's output"
+
+    tree_sampler = MRV2TreeSampler(step.speculator, StubSampler(step.prefill_len), fallback=fallback)
+    assert tree_sampler(torch.zeros(1, VOCAB), step.batch, None) == "vllm's output"
+    drafts = seen[0]
+    for r, (slot, kind, nd, _) in enumerate(CHAIN_REQUESTS):
+        if kind == "tree":  # the fed rows after the root: the chain, which vLLM's sampler then verifies
+            start = int(step.batch.cu_num_logits_np[r])
+            assert drafts[start + 1 : start + 1 + nd].tolist() == step.handover.chains[slot, :nd].tolist()
+    assert step.core.attention.step is None and not verify.walked
+    assert step.core.by_choice.out.eq(99).all()  # no acceptance by choice: the scheduler takes the chain's counts
+    assert step.core.take_step() is verify and step.core.linearise(verify) is None
+
+    walked = FakeStep(0, CHAIN_REQUESTS)  # V1 / synthetic acceptance: the walk verifies the chain
+    _kv_fixture(walked)
+    walked.prepare()
+    out = MRV2TreeSampler(walked.speculator, StubSampler(walked.prefill_len), fallback=None)(
+        walked.target_logits()[0], walked.batch)
+    assert walked.core.take_step().walked and out.num_sampled.shape[0] == len(CHAIN_REQUESTS)
 
 
 def test_linearise_gives_dflash_the_accepted_path_as_a_chain():

@@ -6,8 +6,9 @@ step: one token per node with the runner's own ``Sampler`` (Gumbel noise keyed b
 share noise and every emitted token is a fresh draw given the emitted prefix: seeded sampling equals no-spec's token
 for token), then ``TreeVerifyCore.walk`` (walk and KV compaction), then MRV2's ``SamplerOutput`` contract with
 freshly allocated tensors (``AsyncOutput`` copies them on a side stream while the next step runs), the budget
-choices' acceptance (``ddtree_acceptance``) among them. Steps without a verify step in flight go to vLLM's
-``RejectionSampler``. No host sync: only the CPU arrays MRV2 holds for the step.
+choices' acceptance (``ddtree_acceptance``) among them. Steps without a verify step in flight, and chain steps (the
+chain fallback: causal rows, each request's chain fed, swapped in by ``prepare`` where needed), go to vLLM's
+``RejectionSampler``, as in vLLM's DFlash chain engine. No host sync: only the CPU arrays MRV2 holds for the step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class MRV2TreeSampler:
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits: torch.Tensor | None = None):
         core = self.core
         step = core.step
+        if step is not None and step.chain and core.runner_verifies_chains:
+            core.runner_verified(step)
+            step = None
         if step is None:
             return self.fallback(logits, input_batch, draft_logits)
         from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected

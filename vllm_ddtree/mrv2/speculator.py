@@ -72,7 +72,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.core = TreeVerifyCore(
             TreeHandover(self.max_num_reqs, self.tree_budget, device, chain_depth), self.tree_depth,
             self.max_num_reqs, self.max_num_tokens, device, cuda_graphs=graphs_enabled(vllm_config, device),
-            verify_widths=verify_widths(spec), synthetic=self.synthetic, choices=budget_choices(spec))
+            verify_widths=verify_widths(spec), synthetic=self.synthetic, choices=budget_choices(spec),
+            runner_verifies_chains=self.synthetic is None)
         # Runs in the runner's __init__, before the target model is built: its layers get the tree backends.
         tree_backends.check_attention_config(vllm_config)
         tree_backends.install()

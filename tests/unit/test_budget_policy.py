@@ -79,9 +79,10 @@ def test_settles_on_the_budget_with_the_most_tokens_per_second(seconds, accepted
     assert max(seconds, key=lambda b: (1 + accepted[b]) / seconds[b]) == best  # the case is what it says
     counts = settled(chosen)
     assert counts[best] >= 256 - PROBES * (256 // 32) - 1, counts
-    # Probes try only the neighbours of the best budget (tokens/s is unimodal in the budget), both sides in turn.
-    neighbours = {16: {32}, 32: {16, 64}, 64: {32}}[best]
-    assert set(counts) - {best} == neighbours, counts
+    # Probes try the neighbour above the best budget (tokens/s is unimodal in the budget) and, in turn with it, every
+    # budget below.
+    probed = {16: {32}, 32: {16, 64}, 64: {16, 32}}[best]
+    assert set(counts) - {best} == probed, counts
 
 
 @pytest.mark.parametrize("accepted, best", [({15: 0.0, 16: 0.0, 32: 0.0, 64: 0.0}, 15),
@@ -128,6 +129,25 @@ def test_a_pipelined_engine_times_each_budget_on_its_own_steps():
     policy = CostAwareBudget([15, 16], chain=15, probe_every=32)
     chosen = PipelinedEngine(policy, lambda n, b: seconds[b], lambda b: accepted[b], report=False).run(1, 600)
     assert settled(chosen).most_common(1)[0][0] == 16, settled(chosen)
+
+
+def test_a_choice_explored_in_the_engines_first_steps_is_measured_again():
+    """The chain is explored first, in an engine's first steps, which are slow (H100, 2026-12-06, the small pair at
+    batch 1: its estimate stayed at 7.18 ms while the chain engine's steps took about 2.7 ms). Trees then lead, and a
+    probe of their neighbours only never timed the chain again: B=64 held the run at 0.76x the chain. Probes below
+    the best reach every choice below it, and the chain, the best here, takes over."""
+    seconds = {15: 0.6, 16: 1.0, 32: 1.02, 64: 1.05}
+    accepted = {15: 1.04, 16: 1.38, 32: 1.59, 64: 1.78}  # tokens/s: chain 3.4, B=64 2.65
+    steps = iter(range(10**6))
+
+    def step_seconds(n, b):
+        return seconds[b] * (7.0 if next(steps) < 8 else 1.0)
+
+    policy = CostAwareBudget([16, 32, 64, 15], chain=15, probe_every=32)
+    chosen = Engine(policy, step_seconds, lambda b: accepted[b]).run(batch=1, steps=900)
+    assert Counter(chosen[:8]) == Counter({15: 8}), Counter(chosen[:8])  # the slow steps were the chain's
+    counts = settled(chosen)
+    assert counts[15] >= 256 - PROBES * (256 // 32) - 1, counts
 
 
 def test_settles_at_batch_1_where_each_request_accepts_anything_from_0_to_the_depth():

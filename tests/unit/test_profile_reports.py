@@ -58,20 +58,30 @@ def test_host_profile_counts_only_the_engine_step(tmp_path):
 
 def test_gc_pauses_counts_collections_per_generation(tmp_path):
     """vLLM's VLLM_GC_DEBUG lines (vllm/utils/gc_utils.py) among other log lines: counted per generation, with the
-    total, the longest pause and the pauses of 5 ms or more."""
+    total, the longest pause and the pauses of 5 ms or more; again for those between vLLM's start-up and shut-down."""
     gp = _load("gc_pauses")
     log = tmp_path / "tax.ddtree_default.log"
     log.write_text("\n".join([
         "(EngineCore pid=1) INFO 12-06 11:56:51 [gc_utils.py:84] GC took 0.120ms to complete. Collected 3 objects "
         "(out of 700) in GC generation 0.",
+        "(EngineCore pid=1) INFO 12-06 11:56:51 [core.py:340] init engine (profile, create kv cache, warmup model) "
+        "took 41.59 s (compilation: 6.31 s)",
         "(EngineCore pid=1) INFO 12-06 11:56:51 [loggers.py:182] Engine 000: Iteration(3): 0 context requests",
         "(EngineCore pid=1) INFO 12-06 11:56:52 [gc_utils.py:84] GC took 21.500ms to complete. Collected ? objects "
         "(out of 250000) in GC generation 2.",
         "(EngineCore pid=1) INFO 12-06 11:56:53 [gc_utils.py:84] GC took 0.380ms to complete. Collected 0 objects "
         "(out of 900) in GC generation 0.",
+        "(EngineCore pid=1) INFO 12-06 11:56:54 [core.py:1326] [shutdown] EngineCore: exiting busy loop",
+        "(EngineCore pid=1) INFO 12-06 11:56:55 [gc_utils.py:84] GC took 900.000ms to complete. Collected 9 objects "
+        "(out of 1000000) in GC generation 2.",
     ]) + "\n")
     entry = gp.main([str(log)])[log.name]
-    assert entry["collections"] == 3 and entry["total_ms"] == 22.0
+    assert entry["collections"] == 4 and entry["total_ms"] == 922.0
     assert entry["by_generation"][0] == {"count": 2, "total_ms": 0.5, "max_ms": 0.38, "at_least_5_ms": 0,
                                          "max_objects": 900}
-    assert entry["by_generation"][2]["at_least_5_ms"] == 1 and entry["by_generation"][2]["max_objects"] == 250000
+    assert entry["by_generation"][2]["at_least_5_ms"] == 2 and entry["by_generation"][2]["max_objects"] == 1000000
+    # Between vLLM's start-up and shut-down lines: the first collection (start-up's) and the last are left out.
+    assert entry["serving"]["collections"] == 2 and entry["serving"]["total_ms"] == 21.88
+    assert entry["serving"]["by_generation"][0]["count"] == 1
+    log.write_text(log.read_text().replace("init engine", "init"))
+    assert gp.main([str(log)])[log.name]["serving"] is None

@@ -59,6 +59,7 @@ import numpy as np
 
 PROBE_STEPS = 2  # consecutive steps per probe: the second's scheduling shares the first's interval (docstring)
 
+
 class _Recent:
     """``statistic`` of the last ``size`` samples; None until ``least`` samples."""
 

@@ -881,13 +881,17 @@ def test_a_chain_step_goes_to_vllms_rejection_sampler_on_the_swapped_rows():
     verify = step.prepare()
     assert verify.chain
     seen = []
+    wide = torch.arange(len(CHAIN_REQUESTS) * (BUDGET + 1)).view(len(CHAIN_REQUESTS), BUDGET + 1)
 
     def fallback(logits, batch, draft_logits):
         seen.append(batch.input_ids[batch.logits_indices].clone())
-        return "vllm's output"
+        return SimpleNamespace(sampled_token_ids=wide, num_sampled="vllm's")  # vLLM's: B + 1 columns
 
     tree_sampler = MRV2TreeSampler(step.speculator, StubSampler(step.prefill_len), fallback=fallback)
-    assert tree_sampler(torch.zeros(1, VOCAB), step.batch, None) == "vllm's output"
+    out = tree_sampler(torch.zeros(1, VOCAB), step.batch, None)
+    assert out.num_sampled == "vllm's" and len(seen) == 1
+    # Cut to a tree step's depth + 1 columns, contiguous: MRV2's post-update kernel runs one compiled variant.
+    assert torch.equal(out.sampled_token_ids, wide[:, : DEPTH + 1]) and out.sampled_token_ids.is_contiguous()
     drafts = seen[0]
     for r, (slot, kind, nd, _) in enumerate(CHAIN_REQUESTS):
         if kind == "tree":  # the fed rows after the root: the chain, which vLLM's sampler then verifies
@@ -903,6 +907,33 @@ def test_a_chain_step_goes_to_vllms_rejection_sampler_on_the_swapped_rows():
     out = MRV2TreeSampler(walked.speculator, StubSampler(walked.prefill_len), fallback=None)(
         walked.target_logits()[0], walked.batch)
     assert walked.core.take_step().walked and out.num_sampled.shape[0] == len(CHAIN_REQUESTS)
+
+
+def test_the_first_tree_step_also_compiles_vllms_rejection_sampler():
+    """vLLM's warm-up decode step is a tree step (B drafts per request): where chain steps go to vLLM's rejection
+    sampler, the first tree step also runs it once, after the walk (it edits the logits in place), and keeps the
+    walk's output; later tree steps do not. Without chain steps on vLLM's sampler it never runs."""
+    from vllm_ddtree.mrv2.sampler import MRV2TreeSampler
+
+    calls = []
+    step = FakeStep(runner_verifies_chains=True)
+    _kv_fixture(step)
+
+    def fallback(logits, batch, draft):
+        calls.append(step.core.attention.step is None)  # the walk has run (it resets the step in flight)
+        logits.fill_(float("nan"))  # as vLLM's sampler edits them in place
+
+    tree_sampler = MRV2TreeSampler(step.speculator, StubSampler(step.prefill_len), fallback=fallback)
+    logits, paths, bonus = step.target_logits()
+    step.prepare()
+    out = tree_sampler(logits, step.batch)
+    assert calls == [True] and step.core.take_step().walked
+    slot = REQUESTS[0][0]  # batch row 0: a fresh tree; the walk's tokens, drawn before vLLM's sampler ran
+    tokens = [int(step.req_trees.token_ids[slot, node]) for node in paths[0][1:]] + [bonus[0]]
+    assert out.sampled_token_ids[0, : len(tokens)].tolist() == tokens
+    step.prepare()
+    tree_sampler(step.target_logits()[0], step.batch)
+    assert calls == [True]  # once
 
 
 def test_linearise_gives_dflash_the_accepted_path_as_a_chain():

@@ -9,6 +9,13 @@ freshly allocated tensors (``AsyncOutput`` copies them on a side stream while th
 choices' acceptance (``ddtree_acceptance``) among them. Steps without a verify step in flight, and chain steps (the
 chain fallback: causal rows, each request's chain fed, swapped in by ``prepare`` where needed), go to vLLM's
 ``RejectionSampler``, as in vLLM's DFlash chain engine. No host sync: only the CPU arrays MRV2 holds for the step.
+
+vLLM's warm-up decode step (``warmup_kernels``: B drafts per request) is a tree step here, so it would never run
+vLLM's rejection kernels, which then compiled at the first chain step while serving (H100, 2026-12-06: four Triton
+JIT compilations, 1-4 s, at the first request). The first tree step therefore also runs vLLM's sampler once, after
+the walk is done with the logits (vLLM's sampler edits them in place), and drops its output; and a chain step's
+sampled tokens are cut to ``depth + 1`` columns, as a tree step's, so MRV2's post-update kernel runs the variant
+compiled for those (vLLM's are ``B + 1`` wide).
 """
 
 from __future__ import annotations
@@ -24,15 +31,18 @@ class MRV2TreeSampler:
         self.core = speculator.core
         self.sampler = sampler  # the runner's gpu.sample.sampler.Sampler
         self.fallback = fallback  # vLLM's RejectionSampler
+        self._fallback_compiled = not self.core.runner_verifies_chains  # (module docstring)
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits: torch.Tensor | None = None):
         core = self.core
         step = core.step
-        if step is not None and step.chain and core.runner_verifies_chains:
-            core.runner_verified(step)
-            step = None
         if step is None:
             return self.fallback(logits, input_batch, draft_logits)
+        if step.chain and core.runner_verifies_chains:
+            core.runner_verified(step)
+            output = self.fallback(logits, input_batch, draft_logits)
+            output.sampled_token_ids = output.sampled_token_ids[:, : core.depth + 1].contiguous()
+            return output
         from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
         from vllm.v1.worker.gpu.metrics.logits import get_num_nans
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
@@ -88,6 +98,9 @@ class MRV2TreeSampler:
         # Accepted drafts per budget choice, [R, C] (None for a fixed budget): patch 0004's AsyncOutput copies it to
         # the host beside the sampled tokens and hands it to the scheduler on ModelRunnerOutput.
         output.ddtree_acceptance = core.acceptance(step)
+        if not self._fallback_compiled:  # vLLM's warm-up decode step: compile what chain steps run
+            self.fallback(logits, input_batch, draft_logits)  # last: it edits the logits in place
+            self._fallback_compiled = True
         return output
 
     def _logprobs(self, step, input_batch, logits, sampled, num_sampled, max_num_logprobs: int):

@@ -24,7 +24,7 @@ scheduler picks the budget b that maximises expected tokens per second,
   the step scheduled after k (``observe_step``'s ``next_step``) also verifies b alone at the same batch bucket,
   and probes run two steps: one interval then holds nothing but the probed budget. (H100, 2026-12-06, the small
   pair at batch 1: per-step medians chain 6.02, B=16 6.84, B=32 6.55, B=64 4.36 ms, where the default's steps
-  averaged 6.3 ms and the chain engine's 4.6: each probe had been timed on its neighbours' host work.)
+  averaged 6.3 ms and the chain engine's 4.6, as one-step probes timed on their neighbours' host work would read.)
 
 Both come from what vLLM's scheduler already sees on the host (each output's accepted counts and when it arrives),
 so the choice costs no device sync. Budgets not yet measured for a bucket (fewer than ``min_requests`` requests, or

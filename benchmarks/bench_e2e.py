@@ -66,6 +66,7 @@ CPU_DEFAULTS = {"batch_sizes": [4], "max_tokens": 32, "num_prompts": 4, "eager":
 GPU_DEFAULTS = {"batch_sizes": [1, 4], "max_tokens": 32, "num_prompts": None, "eager": False,
                 "max_num_batched_tokens": None, "warmup": True}
 CONCURRENT_KV_CACHE_BYTES = 4 << 30  # per engine with --concurrent-engines
+TRACE_PROMPTS, TRACE_TOKENS = 3, 12  # --trace-dir: requests traced one at a time, tokens each
 CPU_BANNER = ("bench_e2e on the CPU engine shows acceptance (tau: tokens per verify step) and losslessness (outputs "
               "differing from no-spec: 0 in float32). vLLM runs eagerly here, so tok/s and the x columns are no "
               "speed reference: speed needs a GPU (benchmarks/README.md).")
@@ -107,10 +108,13 @@ def worker(args: dict) -> dict:
         seed=0,
         **(hybrid_engine_args() if args["hybrid"] else {}),
         limit_mm_per_prompt=TEXT_ONLY_MM_LIMITS if args.get("multimodal") else None,  # text prompts only
+        profiler_config=_trace_config(args),
     )
     engine_start_s = time.perf_counter() - started  # weights, compilation, CUDA-graph capture
     with _alone_on_the_device(args.get("side_by_side")):
         rows = _measure(llm, args)
+        if args.get("trace_dir"):
+            _trace_pass(llm, args)
     engine_config = llm.llm_engine.vllm_config
     try:  # stop the engine core now: it logs the cost-aware budget's choices as it stops (DDTREE_LOG_LINES)
         llm.llm_engine.engine_core.shutdown()
@@ -144,13 +148,7 @@ def _measure(llm, args: dict) -> list[dict]:
     """Warm-up and timed passes per batch size (and the profiled pass with --profile-dir)."""
     from vllm import SamplingParams
 
-    if args.get("prefill_tokens"):
-        prompts = prefill_prompts(len(args["prompts"]), args["prefill_tokens"])
-    else:
-        tokenizer = llm.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True)
-                   if getattr(tokenizer, "chat_template", None) else p for p in args["prompts"]]
+    prompts = _prompts(llm, args)
     # Random weights (--shape) generate ids past the tokenizer's vocabulary: keep token ids, skip the text.
     params = SamplingParams(temperature=0.0, max_tokens=1 if args.get("prefill_tokens") else args["max_tokens"],
                             ignore_eos=True, detokenize=args["load_format"] != "dummy")
@@ -235,6 +233,36 @@ def _profile_pass(llm, prompts, params, args) -> None:
     out = Path(args["profile_dir"]) / f"{_slug(args['config'])}.b{len(prompts)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": args["config"], "batch": len(prompts), **prof.result(steps)}))
+
+
+def _prompts(llm, args: dict) -> list[str]:
+    """The run's prompts as the engine gets them: chat-templated where the tokenizer has a template."""
+    if args.get("prefill_tokens"):
+        return prefill_prompts(len(args["prompts"]), args["prefill_tokens"])
+    tokenizer = llm.get_tokenizer()
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            if getattr(tokenizer, "chat_template", None) else p for p in args["prompts"]]
+
+
+def _trace_config(args: dict) -> dict | None:
+    """With --trace-dir: vLLM's torch profiler in the engine's worker (off until ``_trace_pass`` starts it), with
+    Python frames, so host time is attributed to functions; the engine keeps its processes and its scheduling."""
+    if not args.get("trace_dir"):
+        return None
+    return {"profiler": "torch", "torch_profiler_dir": str(Path(args["trace_dir"]) / _slug(args["config"])),
+            "torch_profiler_with_stack": True, "ignore_frontend": True}
+
+
+def _trace_pass(llm, args: dict) -> None:
+    """After the timed passes (not timed): TRACE_PROMPTS requests one at a time, TRACE_TOKENS tokens each, under the
+    worker's profiler: each request's prefill step and first decode steps in one Chrome trace per worker."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=TRACE_TOKENS, ignore_eos=True)
+    llm.start_profile()
+    for prompt in _prompts(llm, args)[:TRACE_PROMPTS]:
+        llm.generate([prompt], params, use_tqdm=False)
+    llm.stop_profile()
 
 
 def _spec_counters(llm) -> tuple[int, int, list[int]]:
@@ -350,6 +378,10 @@ def main() -> None:
     parser.add_argument("--profile-dir", default=None, help="after each timed pass, profile one more pass per batch "
                         "size (torch profiler, engine in-process) and write per-kernel device time there "
                         "(benchmarks/kernel_profile.py compares the configurations)")
+    parser.add_argument("--trace-dir", default=None, help="after the timed passes, run TRACE_PROMPTS requests one at "
+                        "a time under vLLM's torch profiler (Python frames on) and write each engine's Chrome trace "
+                        "under DIR/<config>/: where a prefill step's and the first decode steps' host time goes; the "
+                        "engine keeps its processes and scheduling (--profile-dir runs it in-process)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -466,6 +498,7 @@ def main() -> None:
         side_by_side = {"dir": sync_dir, "me": _slug(name), "engines": [_slug(c[0]) for c in configs]} \
             if args.concurrent_engines else None
         worker_args = {**base, "spec": spec, "config": name, "profile_dir": args.profile_dir,
+                       "trace_dir": args.trace_dir,
                        "side_by_side": side_by_side,
                        "capture_sizes": capture_sizes(args.capture_sizes, spec, args.batch_sizes,
                                                       on_gpu and not args.eager, [c[1] for c in configs])}

@@ -177,6 +177,22 @@ phase_profile() {
   head -c 9000 "$RESULTS/profile_compare.log"
 }
 
+phase_trace() {
+  # Where a prefill step's and the first decode steps' time goes on the SmolLM2 pair (every ddtree engine was ~10 ms
+  # later to the first token than the chain's, H100 2026-12-06): after a short warm-up and timed pass, a few requests
+  # one at a time under vLLM's torch profiler (bench_e2e --trace-dir; Python frames on), one Chrome trace per
+  # engine under $RESULTS/trace/<config>/, then benchmarks/trace_steps.py's table. TRACE_CONFIGS as SPEED_CONFIGS.
+  local target drafter
+  read -r target drafter < <(smollm2_pair)
+  timeout "${TRACE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
+    --prompt-set heldout --num-prompts 4 --budgets 16 64 --batch-sizes 1 --max-tokens 32 ${TRACE_ARGS:-} \
+    --configs "${TRACE_CONFIGS:-dflash,ddtree B=64}" --trace-dir "$RESULTS/trace" \
+    --out "$RESULTS/trace.json" > "$RESULTS/trace.log" 2>&1
+  tail -6 "$RESULTS/trace.log"
+  python3 benchmarks/trace_steps.py "$RESULTS/trace" > "$RESULTS/trace_steps.log" 2>&1
+  head -c 9000 "$RESULTS/trace_steps.log"
+}
+
 phase_hostprofile() {
   # Where the host time of a decode step goes (benchmarks/host_profile.py): py-spy samples each configuration's
   # bench_e2e worker (engine core in-process) over a whole run, idle waits included; needs py-spy, carried as its

@@ -85,3 +85,43 @@ def test_gc_pauses_counts_collections_per_generation(tmp_path):
     assert entry["serving"]["by_generation"][0]["count"] == 1
     log.write_text(log.read_text().replace("init engine", "init"))
     assert gp.main([str(log)])[log.name]["serving"] is None
+
+
+def test_trace_steps_splits_steps_by_kind_and_times_python_frames(tmp_path):
+    """vLLM's step annotations cut the trace: the step after a prefill is the first decode; kernels and Python frames
+    count in the step they start in, a frame's self time is its duration less its children's; the last annotation
+    (no next start) is dropped; the differences are against the base configuration."""
+    import gzip
+    import json
+
+    ts = _load("trace_steps")
+
+    def trace(prefill_extra_us: float) -> list[dict]:
+        events = []
+        starts = [0.0, 1000.0 + prefill_extra_us]
+        starts += [starts[-1] + 400.0 * i for i in (1, 2, 3)]
+        names = ["execute_context_1(1)_generation_0(0)"] + ["execute_context_0(0)_generation_1(17)"] * 4
+        for start, name in zip(starts, names):
+            events.append({"ph": "X", "cat": "user_annotation", "name": name, "ts": start, "dur": 50.0})
+            events.append({"ph": "X", "cat": "kernel", "name": "k", "ts": start + 10, "dur": 100.0})
+        # In the prefill step: propose (inclusive 300 + extra) calls build (200 + extra).
+        events.append({"ph": "X", "cat": "python_function", "name": "propose", "ts": 100.0,
+                       "dur": 300.0 + prefill_extra_us, "pid": 1, "tid": 1})
+        events.append({"ph": "X", "cat": "python_function", "name": "build", "ts": 150.0,
+                       "dur": 200.0 + prefill_extra_us, "pid": 1, "tid": 1})
+        return events
+
+    for config, extra in (("dflash", 0.0), ("ddtree_B_64", 800.0)):
+        (tmp_path / config).mkdir()
+        with gzip.open(tmp_path / config / "rank0.pt.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": trace(extra)}, f)
+    report = ts.main([str(tmp_path), "--top", "5"])
+    tree = report["ddtree_B_64"]
+    assert tree["prefill"]["steps"] == 1 and tree["prefill"]["period_ms"] == 1.8
+    assert tree["first decode"]["steps"] == 1 and tree["later decode"]["steps"] == 2
+    assert tree["later decode"]["period_ms"] == 0.4 and tree["prefill"]["device_ms"] == 0.1
+    assert tree["prefill"]["inclusive_ms"] == {"propose": 1.1, "build": 1.0}
+    assert tree["prefill"]["self_ms"] == {"build": 1.0, "propose": 0.1}
+    assert "first decode" in report["dflash"] and not report["dflash"]["first decode"]["self_ms"]
+    assert dict(ts.differences(report, "dflash", "prefill", "self_ms", 5)["ddtree_B_64"]) == {"build": 0.8,
+                                                                                           "propose": 0.0}

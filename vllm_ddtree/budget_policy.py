@@ -11,7 +11,12 @@ scheduler picks the budget b that maximises expected tokens per second,
   1 gives one sample, and one request's acceptance varies from 0 to the tree's depth: an average over requests, not
   steps). Where the engine reports it (``observe_step(by_choice=)``, acceptance_by_choice.py), a request verified at
   budget B tells every smaller choice's acceptance on the same tokens, the chain's too, so the windows compare
-  choices on the same prompts; otherwise only requests verified at b count;
+  choices on the same prompts; otherwise only requests verified at b count. Samples older than ``max_age`` engine
+  steps no longer count: a choice that neither runs nor is probed becomes unmeasured and is explored again. Without
+  that, a stretch of prompts on which nothing was accepted stayed in the larger trees' windows, refreshed by one
+  probe sample now and then, and the way back to the best budget took one neighbour at a time (H100, 2026-12-06, the
+  small pair at batch 1: B=16 and B=32 took 55% of the steps, B=64 being the best; 1.13x the chain against fixed
+  B=64's 1.24x; a simulation of it takes about 1,750 steps to return to B=64 for ever-kept samples, 350 for 512);
 - ``step_time(n, b)``: median of the last ``time_window`` wall times between consecutive step outputs, for steps
   of n's batch bucket (n rounded up to a power of two) verified at b; only steps that verified trees and nothing
   else, after a step that did the same, so prefills and idle gaps do not count. A median, not a moving average:
@@ -61,19 +66,28 @@ PROBE_STEPS = 2  # consecutive steps per probe: the second's scheduling shares t
 
 
 class _Recent:
-    """``statistic`` of the last ``size`` samples; None until ``least`` samples."""
+    """``statistic`` of the last ``size`` samples; None until ``least`` samples. With ``max_age``, samples stamped
+    (``tick``, a counter read at ``extend``) more than ``max_age`` ticks ago no longer count."""
 
-    def __init__(self, size: int, least: int, statistic: Callable[[Sequence[float]], float]):
+    def __init__(self, size: int, least: int, statistic: Callable[[Sequence[float]], float],
+                 max_age: int | None = None, tick: Callable[[], int] = lambda: 0):
         self.samples: deque[float] = deque(maxlen=size)
+        self._ticks: deque[int] = deque(maxlen=size)
         self.least = least
         self.statistic = statistic
+        self.max_age, self.tick = max_age, tick
 
     def extend(self, samples: Sequence[float]) -> None:
         self.samples.extend(samples)
+        self._ticks.extend([self.tick()] * len(samples))
 
     @property
     def value(self) -> float | None:
-        return self.statistic(self.samples) if len(self.samples) >= self.least else None
+        samples: Sequence[float] = self.samples
+        if self.max_age is not None:
+            oldest = self.tick() - self.max_age
+            samples = [x for t, x in zip(self._ticks, samples) if t > oldest]
+        return self.statistic(samples) if len(samples) >= self.least else None
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -88,15 +102,18 @@ class CostAwareBudget:
     the scheduler reports each verified request (``observe_request``) and each step's output (``observe_step``)."""
 
     def __init__(self, budgets: Sequence[int], *, chain: int | None = None, window: int = 32, min_requests: int = 8,
-                 time_window: int = 9, min_steps: int = 3, probe_every: int = 32,
+                 time_window: int = 9, min_steps: int = 3, probe_every: int = 32, max_age: int | None = 512,
                  clock: Callable[[], float] = time.monotonic):
-        """``chain``: the choice among ``budgets`` that verifies the DFlash chain (named so in the summary)."""
+        """``chain``: the choice among ``budgets`` that verifies the DFlash chain (named so in the summary).
+        ``max_age``: acceptance samples count for this many engine steps (module docstring); None: for ever."""
         self.budgets = tuple(sorted(set(budgets)))
         self.chain = chain
         self.time_window, self.min_steps = time_window, min_steps
         self.probe_every = probe_every
         self.clock = clock
-        self.accepted = {b: _Recent(window, min_requests, statistics.fmean) for b in self.budgets}
+        self.steps = 0  # step outputs observed, every kind: the acceptance samples' age
+        self.accepted = {b: _Recent(window, min_requests, statistics.fmean, max_age, lambda: self.steps)
+                         for b in self.budgets}
         self.step_time: dict[tuple[int, int], _Recent] = {}
         self.choices: dict[int, int] = {}  # per bucket: steps chosen so far
         self.verified: dict[tuple[int, int], int] = {}  # (bucket, budget): verify-only steps seen
@@ -157,6 +174,7 @@ class CostAwareBudget:
         takes its known entries. ``next_step``: ``(batch_size, budget, verify_only)`` of the step the engine
         scheduled after this one before this output arrived (asynchronous scheduling), None where it had not."""
         now = self.clock()
+        self.steps += 1
         accepted, self._step_accepted = self._step_accepted, []
         if by_choice is not None:
             by_choice = np.asarray(by_choice)

@@ -417,3 +417,51 @@ def test_the_scheduler_tells_the_policy_which_step_it_scheduled_next():
     fake.update_from_output(_output({"c": 1}, {}), SimpleNamespace(req_ids=["c"]))
     assert heard == [(2, 32, True), None, None]
     assert not fake._in_flight
+
+
+class ReportingEngine(Engine):
+    """As Model Runner V2's ddtree engine reports: a tree step at budget B tells what every choice up to B accepted
+    on its tokens (acceptance_by_choice.py), a chain step (vLLM's rejection sampler) only the chain's own count."""
+
+    def __init__(self, policy, seconds, accepted, chain: int):
+        super().__init__(policy, seconds, accepted)
+        self.chain = chain
+
+    def run(self, batch: int, steps: int) -> list[int]:
+        chosen = []
+        for _ in range(steps):
+            budget = self.policy[batch]
+            self.now += self.seconds(batch, budget)
+            by_choice = None
+            if budget == self.chain:
+                for _ in range(batch):
+                    self.policy.observe_request(self.accepted(budget))
+            else:
+                by_choice = [[self.accepted(b) if b <= budget else -1 for b in self.policy.budgets]] * batch
+            self.policy.observe_step(batch, budget, verify_only=True, by_choice=by_choice)
+            chosen.append(budget)
+        return chosen
+
+
+@pytest.mark.parametrize("max_age", [512, None])
+def test_after_a_stretch_that_accepts_nothing_the_larger_trees_are_measured_afresh(max_age):
+    """The small pair on a host where B=64 pays (H100, 2026-12-06: tokens / ms chain 1.50 / 2.88, B=16 1.78 / 3.11,
+    B=32 2.09 / 3.11, B=64 2.75 / 3.23), whose default spent 55% of its batch-1 steps at B=16 and B=32. After prompts
+    on which nothing is accepted the chain is right; once acceptance returns, the trees' windows still hold that
+    stretch, refreshed only by probes of the best's neighbour (one sample per probe step at batch 1), and the climb
+    back to B=64 takes one neighbour at a time. Samples older than ``max_age`` steps no longer count: a tree choice
+    left unmeasured is explored again, and B=64 is back within a few hundred steps (without: not in 700)."""
+    seconds = {15: 2.88, 16: 3.11, 32: 3.11, 64: 3.23}
+    accepted = {15: 0.50, 16: 0.78, 32: 1.09, 64: 1.75}
+    high = dict(accepted)
+    policy = CostAwareBudget([15, 16, 32, 64], chain=15, max_age=max_age)
+    engine = ReportingEngine(policy, lambda n, b: seconds[b], lambda b: accepted[b], chain=15)
+    assert settled(engine.run(1, 400), 128).most_common(1)[0][0] == 64
+    accepted.update(dict.fromkeys(accepted, 0.0))
+    assert settled(engine.run(1, 300), 128).most_common(1)[0][0] == 15
+    accepted.update(high)
+    counts = settled(engine.run(1, 700), 200)
+    if max_age is None:
+        assert counts[64] < 100, counts
+    else:
+        assert counts[64] >= 200 - PROBES * (200 // 32) - 4, counts

@@ -66,7 +66,7 @@ CPU_DEFAULTS = {"batch_sizes": [4], "max_tokens": 32, "num_prompts": 4, "eager":
 GPU_DEFAULTS = {"batch_sizes": [1, 4], "max_tokens": 32, "num_prompts": None, "eager": False,
                 "max_num_batched_tokens": None, "warmup": True}
 CONCURRENT_KV_CACHE_BYTES = 4 << 30  # per engine with --concurrent-engines
-TRACE_PROMPTS, TRACE_TOKENS = 3, 12  # --trace-dir: requests traced one at a time, tokens each
+TRACE_GROUPS, TRACE_TOKENS = 3, 12  # --trace-dir: groups of the last batch size traced one at a time, tokens each
 CPU_BANNER = ("bench_e2e on the CPU engine shows acceptance (tau: tokens per verify step) and losslessness (outputs "
               "differing from no-spec: 0 in float32). vLLM runs eagerly here, so tok/s and the x columns are no "
               "speed reference: speed needs a GPU (benchmarks/README.md).")
@@ -254,14 +254,19 @@ def _trace_config(args: dict) -> dict | None:
 
 
 def _trace_pass(llm, args: dict) -> None:
-    """After the timed passes (not timed): TRACE_PROMPTS requests one at a time, TRACE_TOKENS tokens each, under the
-    worker's profiler: each request's prefill step and first decode steps in one Chrome trace per worker."""
+    """After the timed passes (not timed): TRACE_GROUPS groups of the last batch size, one group at a time,
+    TRACE_TOKENS tokens each, under the worker's profiler: each group's prefill step and first decode steps in one
+    Chrome trace per worker. The prefix cache is reset first: the timed passes ran these prompts."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=TRACE_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=TRACE_TOKENS, ignore_eos=True,
+                            detokenize=args["load_format"] != "dummy")
+    batch, prompts = args["batch_sizes"][-1], _prompts(llm, args)
+    prompts = (prompts * (TRACE_GROUPS * batch // len(prompts) + 1))[: TRACE_GROUPS * batch]
+    llm.reset_prefix_cache()
     llm.start_profile()
-    for prompt in _prompts(llm, args)[:TRACE_PROMPTS]:
-        llm.generate([prompt], params, use_tqdm=False)
+    for i in range(0, len(prompts), batch):
+        llm.generate(prompts[i: i + batch], params, use_tqdm=False)
     llm.stop_profile()
 
 
@@ -378,8 +383,9 @@ def main() -> None:
     parser.add_argument("--profile-dir", default=None, help="after each timed pass, profile one more pass per batch "
                         "size (torch profiler, engine in-process) and write per-kernel device time there "
                         "(benchmarks/kernel_profile.py compares the configurations)")
-    parser.add_argument("--trace-dir", default=None, help="after the timed passes, run TRACE_PROMPTS requests one at "
-                        "a time under vLLM's torch profiler (Python frames on) and write each engine's Chrome trace "
+    parser.add_argument("--trace-dir", default=None, help="after the timed passes, run TRACE_GROUPS groups of the last "
+                        "batch size, one at a time, under vLLM's torch profiler (Python frames on) and write each "
+                        "engine's Chrome trace "
                         "under DIR/<config>/: where a prefill step's and the first decode steps' host time goes; the "
                         "engine keeps its processes and scheduling (--profile-dir runs it in-process)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

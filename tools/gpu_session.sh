@@ -178,14 +178,21 @@ phase_profile() {
 }
 
 phase_trace() {
-  # Where a prefill step's and the first decode steps' time goes on the SmolLM2 pair (every ddtree engine was ~10 ms
-  # later to the first token than the chain's, H100 2026-12-06): after a short warm-up and timed pass, a few requests
-  # one at a time under vLLM's torch profiler (bench_e2e --trace-dir; Python frames on), one Chrome trace per
-  # engine under $RESULTS/trace/<config>/, then benchmarks/trace_steps.py's table. TRACE_CONFIGS as SPEED_CONFIGS.
-  local target drafter
-  read -r target drafter < <(smollm2_pair)
-  timeout "${TRACE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --model "$target" --drafter "$drafter" \
-    --prompt-set heldout --num-prompts 4 --budgets 16 64 --batch-sizes 1 --max-tokens 32 ${TRACE_ARGS:-} \
+  # Where a prefill step's and the first decode steps' time goes (bench_e2e --trace-dir, benchmarks/trace_steps.py):
+  # after a short warm-up and timed pass, three groups of TRACE_BATCH requests, one group at a time, under vLLM's
+  # torch profiler (Python frames on), one Chrome trace per engine under $RESULTS/trace/<config>/, then the table.
+  # The SmolLM2 pair (held-out prompts) by default, SHAPE=qwen3-8b for that shape (nothing accepted; at batch 32 the
+  # default's first tokens came 25 ms after the chain's, H100 2026-12-06). TRACE_CONFIGS as SPEED_CONFIGS.
+  # The timed pass runs the same 3 x TRACE_BATCH prompts (bench_e2e.TRACE_GROUPS = 3): distinct prompts per group.
+  local target drafter models
+  if [[ -n ${SHAPE:-} ]]; then
+    models="--shape $SHAPE --prompt-set heldout"
+  else
+    read -r target drafter < <(smollm2_pair)
+    models="--model $target --drafter $drafter --prompt-set heldout"
+  fi
+  timeout "${TRACE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py $models --num-prompts "$((3 * ${TRACE_BATCH:-1}))" \
+    --budgets 16 64 --batch-sizes "${TRACE_BATCH:-1}" --max-tokens 32 ${TRACE_ARGS:-} \
     --configs "${TRACE_CONFIGS:-dflash,ddtree B=64}" --trace-dir "$RESULTS/trace" \
     --out "$RESULTS/trace.json" > "$RESULTS/trace.log" 2>&1
   tail -6 "$RESULTS/trace.log"

@@ -385,9 +385,9 @@ def main() -> None:
                         "(benchmarks/kernel_profile.py compares the configurations)")
     parser.add_argument("--trace-dir", default=None, help="after the timed passes, run TRACE_GROUPS groups of the last "
                         "batch size, one at a time, under vLLM's torch profiler (Python frames on) and write each "
-                        "engine's Chrome trace "
-                        "under DIR/<config>/: where a prefill step's and the first decode steps' host time goes; the "
-                        "engine keeps its processes and scheduling (--profile-dir runs it in-process)")
+                        "engine's Chrome trace under DIR/<config>/ (benchmarks/trace_steps.py reads them): where a "
+                        "prefill step's and the first decode steps' time goes; the engine keeps its processes and "
+                        "scheduling (--profile-dir runs it in-process)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -181,17 +181,12 @@ phase_trace() {
   # Where a prefill step's and the first decode steps' time goes (bench_e2e --trace-dir, benchmarks/trace_steps.py):
   # after a short warm-up and timed pass, three groups of TRACE_BATCH requests, one group at a time, under vLLM's
   # torch profiler (Python frames on), one Chrome trace per engine under $RESULTS/trace/<config>/, then the table.
-  # The SmolLM2 pair (held-out prompts) by default, SHAPE=qwen3-8b for that shape (nothing accepted; at batch 32 the
-  # default's first tokens came 25 ms after the chain's, H100 2026-12-06). TRACE_CONFIGS as SPEED_CONFIGS.
-  # The timed pass runs the same 3 x TRACE_BATCH prompts (bench_e2e.TRACE_GROUPS = 3): distinct prompts per group.
-  local target drafter models
-  if [[ -n ${SHAPE:-} ]]; then
-    models="--shape $SHAPE --prompt-set heldout"
-  else
-    read -r target drafter < <(smollm2_pair)
-    models="--model $target --drafter $drafter --prompt-set heldout"
-  fi
-  timeout "${TRACE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py $models --num-prompts "$((3 * ${TRACE_BATCH:-1}))" \
+  # SHAPE as for hostprofile, the SmolLM2 pair by default (SHAPE=qwen3-8b: that shape, nothing accepted; at batch 32
+  # the default's first tokens came 25 ms after the chain's, H100 2026-12-06); held-out prompts either way.
+  # TRACE_CONFIGS as SPEED_CONFIGS. The timed pass runs the same 3 x TRACE_BATCH prompts (bench_e2e.TRACE_GROUPS =
+  # 3): distinct prompts per group.
+  timeout "${TRACE_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py $(bench_models pair) --prompt-set heldout \
+    --num-prompts "$((3 * ${TRACE_BATCH:-1}))" \
     --budgets 16 64 --batch-sizes "${TRACE_BATCH:-1}" --max-tokens 32 ${TRACE_ARGS:-} \
     --configs "${TRACE_CONFIGS:-dflash,ddtree B=64}" --trace-dir "$RESULTS/trace" \
     --out "$RESULTS/trace.json" > "$RESULTS/trace.log" 2>&1
@@ -210,15 +205,10 @@ phase_hostprofile() {
   # SHAPE=pair samples the SmolLM2 pair (held-out prompts) instead of a shape; HOSTPROF_ARGS adds bench_e2e options;
   # HOSTPROF_PROMPTS / HOSTPROF_TOKENS lengthen the timed pass, HOSTPROF_RATE samples faster. --nonblocking: py-spy
   # reads the process without pausing it (the pauses slowed the sampled engine's start-up most).
-  local spy=/tmp/site/bin/py-spy name target drafter models
+  local spy=/tmp/site/bin/py-spy name models
   [[ -x $spy ]] || { echo "hostprofile: no py-spy (carry its manylinux wheel under .gpu/m*/)"; return 1; }
   mkdir -p "$RESULTS/host_profile"
-  if [[ ${SHAPE:-} == pair ]]; then
-    read -r target drafter < <(smollm2_pair)
-    models="--model $target --drafter $drafter --prompt-set heldout"
-  else
-    models="--shape ${SHAPE:-qwen3-8b}"
-  fi
+  models=$(bench_models qwen3-8b)
   IFS=',' read -ra names <<< "${HOSTPROF_CONFIGS:-dflash,ddtree B=16}"
   for name in "${names[@]}"; do
     VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT -k 20 "${HOSTPROF_TIMEOUT:-280}" "$spy" record --idle \
@@ -336,6 +326,18 @@ phase_sweep() {
   timeout "${SWEEP_TIMEOUT:-200}" python3 benchmarks/attention_sweep.py --out "$RESULTS/attention_sweep.json" \
     ${SWEEP_ARGS:-} > "$RESULTS/sweep.log" 2>&1
   grep -v '^{' "$RESULTS/sweep.log" | tail -40
+}
+
+bench_models() {
+  # bench_e2e's model arguments for $SHAPE (default $1): "pair" is SmolLM2 + the drafter of smollm2_pair on held-out
+  # prompts, anything else a random-weight target of that shape.
+  local shape=${SHAPE:-$1} target drafter
+  if [[ $shape == pair ]]; then
+    read -r target drafter < <(smollm2_pair)
+    echo "--model $target --drafter $drafter --prompt-set heldout"
+  else
+    echo "--shape $shape"
+  fi
 }
 
 smollm2_pair() {

@@ -19,6 +19,7 @@ DIR holds one folder per configuration (``bench_e2e``'s slug of its name), each 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
@@ -76,33 +77,44 @@ def _frame(event: dict, children_us: float) -> tuple[str, float, float, float]:
 
 
 def summarise(events: list[dict], top: int) -> dict:
-    """Per step kind: steps, median period and kernel time (ms), and the functions' mean ms per step."""
+    """Per step kind: steps, median period and kernel time (ms), and the functions' mean ms per step. Kernels and
+    Python frames count in the step they start in."""
     steps = engine_steps(events)
-    kernels = [(e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"]
-    frames = python_times(events)
+    starts = [s["start"] for s in steps]
+
+    def step_of(ts: float) -> dict | None:
+        i = bisect.bisect_right(starts, ts) - 1
+        return steps[i] if i >= 0 and ts < steps[i]["end"] else None
+
+    device = defaultdict(float)  # step start -> kernel us
+    for e in events:
+        if e.get("cat") == "kernel" and (step := step_of(e["ts"])) is not None:
+            device[step["start"]] += e["dur"]
+    inclusive = {kind: defaultdict(float) for kind in KINDS}
+    own = {kind: defaultdict(float) for kind in KINDS}
+    for name, ts, incl, self_us in python_times(events):
+        if (step := step_of(ts)) is not None:
+            own[step["kind"]][name] += self_us
+            inclusive[step["kind"]][name] += incl  # a recursive function counts each of its frames: rare in a step
     report = {}
     for kind in KINDS:
         windows = [s for s in steps if s["kind"] == kind]
         if not windows:
             continue
-        inclusive, own = defaultdict(float), defaultdict(float)
-        device = []
-        for w in windows:
-            device.append(sum(d for ts, d in kernels if w["start"] <= ts < w["end"]))
-            for name, ts, incl, self_us in frames:
-                if w["start"] <= ts < w["end"]:
-                    own[name] += self_us
-                    inclusive[name] += incl  # a recursive function counts each of its frames: rare in a step
         n = len(windows)
         report[kind] = {
             "steps": n,
             "period_ms": round(statistics.median(w["period_us"] for w in windows) / 1e3, 3),
-            "device_ms": round(statistics.median(device) / 1e3, 3),
-            "inclusive_ms": {k: round(v / n / 1e3, 3) for k, v in sorted(inclusive.items(), key=lambda kv: -kv[1])
-                             [:top * 4]},
-            "self_ms": {k: round(v / n / 1e3, 3) for k, v in sorted(own.items(), key=lambda kv: -kv[1])[:top * 4]},
+            "device_ms": round(statistics.median(device[w["start"]] for w in windows) / 1e3, 3),
+            "inclusive_ms": _per_step(inclusive[kind], n, top * 4),
+            "self_ms": _per_step(own[kind], n, top * 4),
         }
     return report
+
+
+def _per_step(total_us: dict[str, float], steps: int, keep: int) -> dict[str, float]:
+    """The ``keep`` largest totals as ms per step."""
+    return {k: round(v / steps / 1e3, 3) for k, v in sorted(total_us.items(), key=lambda kv: -kv[1])[:keep]}
 
 
 def differences(report: dict, base: str, kind: str, key: str, top: int) -> dict[str, list[tuple[str, float]]]:
@@ -116,7 +128,7 @@ def differences(report: dict, base: str, kind: str, key: str, top: int) -> dict[
             continue
         mine = entry[kind][key]
         deltas = {f: round(mine.get(f, 0.0) - ref.get(f, 0.0), 3) for f in set(mine) | set(ref)}
-        out[name] = sorted(deltas.items(), key=lambda kv: -abs(kv[1]))[:top]
+        out[name] = sorted(deltas.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:top]  # ties by name
     return out
 
 

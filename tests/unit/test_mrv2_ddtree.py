@@ -56,8 +56,10 @@ def mrv2_vllm_config(**changes) -> SimpleNamespace:
         parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
         speculative_config=SimpleNamespace(use_local_argmax_reduction=False, tree_budget=64, tree_budgets=None,
                                            tree_budget_is_default=False, num_speculative_tokens=64,
-                                           num_speculative_tokens_per_batch_size=None),
-        scheduler_config=SimpleNamespace(scheduler_cls=None),
+                                           num_speculative_tokens_per_batch_size=None, tree_depth=15,
+                                           max_num_new_slots_for_drafting=14),
+        scheduler_config=SimpleNamespace(scheduler_cls=None, max_num_seqs=8, max_num_batched_tokens=2048,
+                                         max_num_scheduled_tokens=None),
     )
     for path, value in changes.items():
         obj, attr = path.split("__")

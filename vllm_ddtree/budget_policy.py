@@ -134,8 +134,10 @@ class CostAwareBudget:
 
     def expected_rate(self, batch_size: int, budget: int) -> float | None:
         """Expected tokens per second per request at this budget (None until measured)."""
-        accepted = self.accepted[budget].value
-        seconds = self._time(batch_bucket(batch_size), budget).value
+        return self._rate(batch_bucket(batch_size), budget, self.accepted[budget].value)
+
+    def _rate(self, bucket: int, budget: int, accepted: float | None) -> float | None:
+        seconds = self._time(bucket, budget).value
         if accepted is None or seconds is None or seconds <= 0:
             return None
         return (1 + accepted) / seconds
@@ -143,10 +145,16 @@ class CostAwareBudget:
     def choose(self, batch_size: int) -> int:
         bucket = batch_bucket(batch_size)
         count = self.choices[bucket] = self.choices.get(bucket, 0) + 1
-        rates = {b: self.expected_rate(batch_size, b) for b in self.budgets}
+        accepted = {b: self.accepted[b].value for b in self.budgets}  # each window read once (ages filter it)
+        rates = {b: self._rate(bucket, b, accepted[b]) for b in self.budgets}
+
+        def accepts_more(larger: int, smaller: int) -> bool:
+            """Whether ``larger`` may accept more than the measured ``smaller``: unmeasured, or measured higher."""
+            return accepted[larger] is None or accepted[larger] > accepted[smaller]
+
         peak = None
         for b in self.budgets:  # explore upwards while tokens/s climbs
-            if peak is not None and not self._accepts_more(b, peak):
+            if peak is not None and not accepts_more(b, peak):
                 break  # known to accept no more: its time need not be measured (module docstring)
             if rates[b] is None:
                 return b
@@ -157,13 +165,13 @@ class CostAwareBudget:
         for b in (b for b in self.budgets if rates[b] is not None):
             # A larger budget must also accept more: with equal acceptance its extra verify rows cannot pay, and
             # step-time noise alone would choose it (module docstring).
-            if best is None or (rates[b] > rates[best] and self.accepted[b].value > self.accepted[best].value):
+            if best is None or (rates[b] > rates[best] and accepts_more(b, best)):
                 best = b
         if self.probe_every and count % self.probe_every < PROBE_STEPS:
             i = self.budgets.index(best)
             below = self.budgets[:i][::-1]  # nearest first
             above = self.budgets[i + 1] if i + 1 < len(self.budgets) else None
-            if above is not None and not self._accepts_more(above, best):
+            if above is not None and not accepts_more(above, best):
                 above = None
             probe = count // self.probe_every
             if above is not None and (probe % 2 == 0 or not below):
@@ -171,11 +179,6 @@ class CostAwareBudget:
             if below:
                 return below[(probe // 2 if above is not None else probe) % len(below)]
         return best
-
-    def _accepts_more(self, larger: int, smaller: int) -> bool:
-        """Whether ``larger`` may accept more than ``smaller``: unmeasured, or measured higher."""
-        accepted = self.accepted[larger].value
-        return accepted is None or accepted > self.accepted[smaller].value
 
     def observe_request(self, num_accepted_tokens: int) -> None:
         """One request of the step whose output is being processed: the drafts it accepted."""

@@ -285,6 +285,19 @@ def test_bench_e2e_reads_a_workers_result_line_and_not_a_traceback_quoting_it():
     assert be.worker_result('(Worker pid=7) partial BENCH_RESULT {"rows": [1]}\nINFO shutdown\n') == {"rows": [1]}
 
 
+def test_bench_e2e_runs_the_named_configurations_in_the_order_named(capsys):
+    """Engines run one after another; running the same names in another order tells a drifting host from an engine's
+    own cost (H100, 2026-12-07: the default, run last, cost 0.5-2.5 ms a step more than B=64 before it)."""
+    be = _bench_e2e()
+    configs = [("no-spec", None, {}), ("dflash", {"method": "dflash"}, {}), ("ddtree B=64", {"method": "ddtree"}, {}),
+               ("ddtree default", {"method": "ddtree"}, {})]
+    chosen = be.select_configs(configs, ["ddtree default,ddtree B=64", "dflash", "ddtree default"])
+    assert [c[0] for c in chosen] == ["ddtree default", "ddtree B=64", "dflash"]
+    assert capsys.readouterr().out == ""
+    assert [c[0] for c in be.select_configs(configs, ["dflash,ddtree adaptive"])] == ["dflash"]
+    assert "'ddtree adaptive'" in capsys.readouterr().out
+
+
 def test_bench_e2e_keeps_ddtrees_start_up_line_and_budget_choices_from_the_engines_log():
     """The H200 runs of 2026-12-04 lost them: they are logged in the worker's log, which a clean run deletes."""
     be = _bench_e2e()

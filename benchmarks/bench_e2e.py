@@ -34,6 +34,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ddtree_testkit import host_load
 from ddtree_testkit.engine_args import TEXT_ONLY_MM_LIMITS, hybrid_engine_args
 from ddtree_testkit.random_dflash import random_dflash_dir
 from ddtree_testkit.shapes import shaped_target_dir
@@ -178,11 +179,13 @@ def _measure(llm, args: dict) -> list[dict]:
             if not llm.reset_prefix_cache():
                 print("warning: vLLM did not reset the prefix cache after the warm-up pass", flush=True)
         before = _spec_counters(llm)
+        host_before = host_load.snapshot(time.perf_counter())
         outputs, elapsed = [], 0.0
         for group in groups:
             start = time.perf_counter()
             outputs += generate_together(llm, group, params)
             elapsed += time.perf_counter() - start
+        host_cpu = host_load.cpu_use(host_before, host_load.snapshot(time.perf_counter()), os.getpid())
         after = _spec_counters(llm)
         drafts, accepted = after[0] - before[0], after[1] - before[1]
         if args.get("profile_dir"):
@@ -199,6 +202,7 @@ def _measure(llm, args: dict) -> list[dict]:
             "tau": 1 + accepted / drafts if drafts else None,
             "accepted_per_position": [round(a / drafts, 4) for a in per_pos] if drafts else None,
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "host_cpu": host_cpu,
         })
     return rows
 
@@ -682,6 +686,7 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "scheduled_to_first_token_ms_each": row.get("scheduled_to_first_token_ms_each"),
                 "cached_prompt_tokens": row.get("cached_prompt_tokens"),
                 "decode_ms_per_token": row.get("decode_ms_per_token"),
+                "host_cpu": row.get("host_cpu"),
             })
             if row.get("prefill_tokens_per_s"):
                 ref_prefill = ref_row and ref_row.get("prefill_tokens_per_s")
@@ -723,6 +728,12 @@ def print_table(table: list[dict]) -> None:
                   f"{statistics.median(t['first_token_ms_each']):.1f} ms: queued "
                   f"{statistics.median(t['queued_ms_each']):.1f}, scheduled -> first token "
                   f"{statistics.median(t['scheduled_to_first_token_ms_each']):.1f}")
+    for t in table:
+        if cpu := t.get("host_cpu"):  # CPU-seconds per second while this row was timed
+            print(f"{t['config']:24s} {t['batch']:5d} host CPUs used: engine {cpu['own']:.2f}, elsewhere "
+                  f"{cpu['elsewhere']:.2f} (" + ", ".join(f"{name} {cpus:.2f}" for name, cpus in cpu["busiest"])
+                  + f"), steal {'-' if cpu['steal'] is None else format(cpu['steal'], '.1%')}, "
+                  f"over {cpu['seconds']:.1f} s")
     for t in table:
         if t["accepted_per_position"]:
             print(f"{t['config']:24s} {t['batch']:5d} acceptance by position: "

@@ -125,3 +125,33 @@ def test_trace_steps_splits_steps_by_kind_and_times_python_frames(tmp_path):
     assert "first decode" in report["dflash"] and not report["dflash"]["first decode"]["self_ms"]
     assert dict(ts.differences(report, "dflash", "prefill", "self_ms", 5)["ddtree_B_64"]) == {"build": 0.8,
                                                                                            "propose": 0.0}
+
+
+def test_host_cpu_use_splits_the_timed_engine_from_other_processes(tmp_path):
+    """bench_e2e's host CPU line: the timed engine's process tree (its engine core a child), every other process
+    (a pid reused by another program counts whole), and the machine's steal share, from two /proc snapshots."""
+    from ddtree_testkit import host_load
+
+    tick = host_load._TICK
+
+    def write(procs: dict, cpu_line: str):
+        for pid, (name, ppid, ticks) in procs.items():
+            (tmp_path / str(pid)).mkdir(exist_ok=True)
+            # utime and stime are fields 14 and 15 of /proc/<pid>/stat; the name may hold spaces and parentheses
+            (tmp_path / str(pid) / "stat").write_text(
+                f"{pid} ({name}) S {ppid} 0 0 0 0 0 0 0 0 0 {ticks} {ticks} 0 0 20 0 1 0\n")
+        (tmp_path / "stat").write_text(cpu_line + "\ncpu0 1 2 3\n")
+
+    write({10: ("bench (worker)", 1, 0), 11: ("EngineCore", 10, 0), 20: ("noisy", 1, tick), 30: ("old", 1, 0)},
+          "cpu  100 0 100 700 0 0 0 100 0 0")
+    before = host_load.snapshot(0.0, tmp_path)
+    # 2 s later: the engine tree used 2 + 3 CPU-s, "noisy" 1 more, pid 30 now another program that used 0.5
+    write({10: ("bench (worker)", 1, tick), 11: ("EngineCore", 10, 3 * tick // 2), 20: ("noisy", 1, 3 * tick // 2),
+           30: ("new", 1, tick // 4)},
+          "cpu  200 0 200 1400 0 0 0 200 0 0")
+    use = host_load.cpu_use(before, host_load.snapshot(2.0, tmp_path), own_root=10)
+    assert use["own"] == pytest.approx(2.5)
+    assert use["elsewhere"] == pytest.approx(0.75)
+    assert use["busiest"] == [["noisy[20]", 0.5], ["new[30]", 0.25]]
+    assert use["steal"] == pytest.approx(0.1)
+    assert host_load.cpu_use(before, before, own_root=10) is None  # no interval

@@ -64,7 +64,7 @@ def cpu_use(before: dict, after: dict, own_root: int, top: int = 3) -> dict | No
     """CPU use over the interval between two snapshots, in CPU-seconds per second: ``own`` by ``own_root``'s process
     tree (the timed engine: the bench worker and the engine core it started), ``elsewhere`` by every other process,
     the ``top`` busiest of those ``[name[pid], cpus]``, and ``steal``, the machine's share of CPU time a hypervisor
-    took. None without /proc."""
+    took. A process that ended inside the interval is not seen. None without /proc."""
     seconds = after["t"] - before["t"]
     if seconds <= 0 or not after["processes"]:
         return None

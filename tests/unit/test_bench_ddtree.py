@@ -376,3 +376,16 @@ def test_request_latencies_split_the_first_token_on_the_engine_cores_clock():
     assert lat["scheduled_to_first_token_ms_each"] == [28.0, 12.5]
     assert lat["first_token_ms_each"] == [31.0, 21.0]
     assert lat["decode_ms_per_token"] == pytest.approx(30.0)  # the one-token request has no decode
+
+
+def test_bench_e2e_prints_each_rows_host_cpu_use(capsys):
+    """The host CPU line under the table (ddtree_testkit/host_load.py): the engine's own use, the rest's, the
+    busiest other process and the steal share; a row without it (a saved run, no /proc) prints none."""
+    be = _bench_e2e()
+    row = {"batch": 8, "tokens_per_s": 100.0, "tau": 2.0, "token_ids": [[1, 2]], "accepted_per_position": None}
+    cpu = {"own": 1.25, "elsewhere": 0.5, "busiest": [["EngineCore[42]", 0.4]], "steal": 0.02, "seconds": 12.0}
+    table = be.summarise({"ddtree B=64": {"rows": [{**row, "host_cpu": cpu}]}, "dflash": {"rows": [row]}})
+    be.print_table(table)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "host CPUs used" in line]
+    assert lines == ["ddtree B=64                  8 host CPUs used: engine 1.25, elsewhere 0.50 (EngineCore[42] "
+                     "0.40), steal 2.0%, over 12.0 s"]

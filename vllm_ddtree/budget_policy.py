@@ -10,8 +10,15 @@ scheduler picks the budget b that maximises expected tokens per second,
 - ``accepted(b)``: mean accepted drafts over the last ``window`` requests that tell what b accepts (a step at batch
   1 gives one sample, and one request's acceptance varies from 0 to the tree's depth: an average over requests, not
   steps). Where the engine reports it (``observe_step(by_choice=)``, acceptance_by_choice.py), a request verified at
-  budget B tells every smaller choice's acceptance on the same tokens, the chain's too, so the windows compare
-  choices on the same prompts; otherwise only requests verified at b count. Samples older than ``max_age`` engine
+  budget B tells every smaller choice's acceptance on the same tokens, the chain's too; ``accepted(b)`` is then the
+  smallest choice's mean plus, choice by choice up to b, the mean gain of each over the next smaller one on the same
+  requests (over the last ``gain_window`` requests that tell it). One request accepts anything from 0 to 8 drafts on
+  the small pair, so a mean over 32 moves by about 0.3 tokens, more than B=64 gains over B=32 (about 0.15); each
+  choice's own window held other requests (B=64's only those verified at B=64) and the choice followed that noise
+  (H100, 2026-12-07, the small pair at batch 1: B=16 and B=32 took 825 of 1227 steps, B=64 making the most tokens
+  per second: 0.75x fixed B=64's tokens/s; with gains over 32 requests and without the evidence rule below, 0.96x
+  in the same lease). A gain is 0 or 1 draft for most requests and its mean moves little. Otherwise only requests
+  verified at b count. Samples older than ``max_age`` engine
   steps no longer count: a choice that neither runs nor is probed becomes unmeasured and is explored again. Without
   that, a stretch of prompts on which nothing was accepted stayed in the larger trees' windows, refreshed by one
   probe sample now and then, and the way back to the best budget took one neighbour at a time (H100, 2026-12-06, the
@@ -57,7 +64,11 @@ step time cannot matter, and the budgets above it (trees nest: a larger tree hol
 either. Its acceptance samples expire after ``max_age`` steps, and it is then explored again. Timed anyway, on the
 Qwen3-8B shape with nothing accepted (H100, 2026-12-06), B=16 took 19 / 10 / 9 of 315 / 126 / 124 steps at batch
 5-8 / 17-32 / 33-64, each 10-25% dearer than a chain step: in a simulation of those steps 113 of 1730 steps and
-1.2% of the time, now 4 steps and 0.07%.
+1.2% of the time, now 4 steps and 0.07%. With gains, "known" takes evidence: the smaller choice accepts nothing
+(random weights: the case above), or every gain between them fills its window. A larger tree gains on about one
+request in eight on the small pair, so a few requests without gain are common ((7/8)^32: 32 in a row 1 in 70): ruled
+out on them, B=64 stayed out until its samples expired, 512 steps (B=32 held 797 of 1201 batch-1 steps in the lease
+above, B=64 being the best).
 """
 
 from __future__ import annotations
@@ -88,13 +99,24 @@ class _Recent:
         self.samples.extend(samples)
         self._ticks.extend([self.tick()] * len(samples))
 
-    @property
-    def value(self) -> float | None:
-        samples: Sequence[float] = self.samples
+    def _live(self) -> deque[float]:
+        """The samples young enough to count (stamps only grow: the expired ones are the oldest, dropped for good)."""
         if self.max_age is not None:
             oldest = self.tick() - self.max_age
-            samples = [x for t, x in zip(self._ticks, samples) if t > oldest]
+            while self._ticks and self._ticks[0] <= oldest:
+                self._ticks.popleft()
+                self.samples.popleft()
+        return self.samples
+
+    @property
+    def value(self) -> float | None:
+        samples = self._live()
         return self.statistic(samples) if len(samples) >= self.least else None
+
+    @property
+    def full(self) -> bool:
+        """Whether the window holds ``size`` samples young enough to count."""
+        return len(self._live()) == self.samples.maxlen
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -109,9 +131,10 @@ class CostAwareBudget:
     the scheduler reports each verified request (``observe_request``) and each step's output (``observe_step``)."""
 
     def __init__(self, budgets: Sequence[int], *, chain: int | None = None, window: int = 32, min_requests: int = 8,
-                 time_window: int = 9, min_steps: int = 3, probe_every: int = 32, max_age: int | None = 512,
-                 clock: Callable[[], float] = time.monotonic):
+                 gain_window: int = 128, time_window: int = 9, min_steps: int = 3, probe_every: int = 32,
+                 max_age: int | None = 512, clock: Callable[[], float] = time.monotonic):
         """``chain``: the choice among ``budgets`` that verifies the DFlash chain (named so in the summary).
+        ``gain_window``: requests behind each choice's gain over the next smaller one (module docstring).
         ``max_age``: acceptance samples count for this many engine steps (module docstring); None: for ever."""
         self.budgets = tuple(sorted(set(budgets)))
         self.chain = chain
@@ -121,6 +144,10 @@ class CostAwareBudget:
         self.steps = 0  # step outputs observed, every kind: the acceptance samples' age
         self.accepted = {b: _Recent(window, min_requests, statistics.fmean, max_age, lambda: self.steps)
                          for b in self.budgets}
+        # Per choice above the smallest: what it accepts beyond the next smaller choice, on the same requests
+        # (acceptance by choice; module docstring).
+        self.gain = {b: _Recent(gain_window, min_requests, statistics.fmean, max_age, lambda: self.steps)
+                     for b in self.budgets[1:]}
         self.step_time: dict[tuple[int, int], _Recent] = {}
         self.choices: dict[int, int] = {}  # per bucket: steps chosen so far
         self.verified: dict[tuple[int, int], int] = {}  # (bucket, budget): verify-only steps seen
@@ -134,7 +161,19 @@ class CostAwareBudget:
 
     def expected_rate(self, batch_size: int, budget: int) -> float | None:
         """Expected tokens per second per request at this budget (None until measured)."""
-        return self._rate(batch_bucket(batch_size), budget, self.accepted[budget].value)
+        return self._rate(batch_bucket(batch_size), budget, self.acceptance()[budget])
+
+    def acceptance(self) -> dict[int, float | None]:
+        """Mean accepted drafts per choice (None: unmeasured): the smallest choice's own mean, and each larger
+        choice's as the one below it plus its mean gain over it on the same requests, where acceptance by choice
+        measured that gain; else its own mean."""
+        out: dict[int, float | None] = {}
+        below = None
+        for b in self.budgets:
+            gain = self.gain[b].value if below is not None else None
+            out[b] = out[below] + gain if gain is not None and out[below] is not None else self.accepted[b].value
+            below = b
+        return out
 
     def _rate(self, bucket: int, budget: int, accepted: float | None) -> float | None:
         seconds = self._time(bucket, budget).value
@@ -145,16 +184,20 @@ class CostAwareBudget:
     def choose(self, batch_size: int) -> int:
         bucket = batch_bucket(batch_size)
         count = self.choices[bucket] = self.choices.get(bucket, 0) + 1
-        accepted = {b: self.accepted[b].value for b in self.budgets}  # each window read once (ages filter it)
+        accepted = self.acceptance()  # each window read once (ages filter it)
         rates = {b: self._rate(bucket, b, accepted[b]) for b in self.budgets}
 
         def accepts_more(larger: int, smaller: int) -> bool:
             """Whether ``larger`` may accept more than the measured ``smaller``: unmeasured, or measured higher."""
             return accepted[larger] is None or accepted[larger] > accepted[smaller]
 
+        def may_pay(larger: int, smaller: int) -> bool:
+            """Whether ``larger`` is worth a step's time: not known to accept no more than ``smaller``."""
+            return accepts_more(larger, smaller) or not self._settled(smaller, larger, accepted[smaller])
+
         peak = None
         for b in self.budgets:  # explore upwards while tokens/s climbs
-            if peak is not None and not accepts_more(b, peak):
+            if peak is not None and not may_pay(b, peak):
                 break  # known to accept no more: its time need not be measured (module docstring)
             if rates[b] is None:
                 return b
@@ -171,7 +214,7 @@ class CostAwareBudget:
             i = self.budgets.index(best)
             below = self.budgets[:i][::-1]  # nearest first
             above = self.budgets[i + 1] if i + 1 < len(self.budgets) else None
-            if above is not None and not accepts_more(above, best):
+            if above is not None and not may_pay(above, best):
                 above = None
             probe = count // self.probe_every
             if above is not None and (probe % 2 == 0 or not below):
@@ -179,6 +222,13 @@ class CostAwareBudget:
             if below:
                 return below[(probe // 2 if above is not None else probe) % len(below)]
         return best
+
+    def _settled(self, smaller: int, larger: int, smaller_accepts: float) -> bool:
+        """Whether ``larger``'s acceptance against the measured ``smaller`` is evidence enough to stop timing it
+        (module docstring): where acceptance by choice measures the gains between them, ``smaller`` accepts nothing or
+        every gain fills its window; else as measured."""
+        gains = [self.gain[b] for b in self.budgets if smaller < b <= larger]
+        return any(g.value is None for g in gains) or smaller_accepts == 0 or all(g.full for g in gains)
 
     def observe_request(self, num_accepted_tokens: int) -> None:
         """One request of the step whose output is being processed: the drafts it accepted."""
@@ -209,6 +259,11 @@ class CostAwareBudget:
                 known = column[column >= 0].tolist()
                 self.accepted[b].extend(known)
                 self.counterfactual[b] += len(known) if b != budget else 0
+            if by_choice is not None:
+                both = (by_choice[:, 1:] >= 0) & (by_choice[:, :-1] >= 0)
+                gains = by_choice[:, 1:] - by_choice[:, :-1]
+                for i, b in enumerate(self.budgets[1:]):
+                    self.gain[b].extend(gains[both[:, i], i].tolist())
             # The interval holds the next step's host work where one was scheduled before this output (above).
             pure = next_step is None or (batch_bucket(next_step[0]), next_step[1], next_step[2]) == (*key, True)
             if self._last_clean and self._last_output is not None and pure:
@@ -219,12 +274,13 @@ class CostAwareBudget:
         """Verify steps per budget by batch range, with the estimates behind the choice (the scheduler logs it at
         shutdown)."""
         parts = []
+        acceptance = self.acceptance()
         for bucket in sorted({k[0] for k in self.verified}):
             first, last = (1, 1) if bucket == 0 else (2 ** (bucket - 1) + 1, 2 ** bucket)
             cells = []
             for b in self.budgets:
                 seconds = self._time(bucket, b).value
-                accepted = self.accepted[b].value
+                accepted = acceptance[b]
                 cells.append(f"{self._label(b)}: {self.verified.get((bucket, b), 0)} steps"
                              + (f" ({1 + accepted:.2f} tokens / {1e3 * seconds:.2f} ms)"
                                 if seconds is not None and accepted is not None else ""))

@@ -155,6 +155,10 @@ class CostAwareBudget:
         self._step_accepted: list[int] = []
         self._last_output: float | None = None
         self._last_clean = False
+        self._last_budget: int | None = None
+        # Per batch bucket, the intervals of verify-only steps whose neighbours verified the same budget ("same") or
+        # not ("change"): what a change of budget costs, which the estimates above never time (summary, shut-down).
+        self.neighbours: dict[tuple[int, str], _Recent] = {}
 
     def __getitem__(self, batch_size: int) -> int:
         return self.choose(batch_size)
@@ -266,9 +270,13 @@ class CostAwareBudget:
                     self.gain[b].extend(gains[both[:, i], i].tolist())
             # The interval holds the next step's host work where one was scheduled before this output (above).
             pure = next_step is None or (batch_bucket(next_step[0]), next_step[1], next_step[2]) == (*key, True)
-            if self._last_clean and self._last_output is not None and pure:
-                self._time(*key).extend([now - self._last_output])
-        self._last_output, self._last_clean = now, verify_only
+            if self._last_clean and self._last_output is not None:
+                if pure:
+                    self._time(*key).extend([now - self._last_output])
+                kind = "same" if pure and self._last_budget == budget else "change"
+                self.neighbours.setdefault((key[0], kind), _Recent(1024, 1, statistics.median)).extend(
+                    [now - self._last_output])
+        self._last_output, self._last_clean, self._last_budget = now, verify_only, budget
 
     def summary(self) -> str:
         """Verify steps per budget by batch range, with the estimates behind the choice (the scheduler logs it at
@@ -284,6 +292,9 @@ class CostAwareBudget:
                 cells.append(f"{self._label(b)}: {self.verified.get((bucket, b), 0)} steps"
                              + (f" ({1 + accepted:.2f} tokens / {1e3 * seconds:.2f} ms)"
                                 if seconds is not None and accepted is not None else ""))
+            for kind, label in (("same", "between steps of one budget"), ("change", "around a change")):
+                if (window := self.neighbours.get((bucket, kind))) is not None:
+                    cells.append(f"{label} {1e3 * window.value:.2f} ms ({len(window.samples)} steps)")
             parts.append(f"batch {first}{'' if first == last else f'-{last}'}: " + ", ".join(cells))
         if any(self.counterfactual.values()):  # acceptance by choice reached the policy
             parts.append("samples from steps at another budget: " + ", ".join(

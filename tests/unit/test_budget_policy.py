@@ -206,8 +206,21 @@ def test_only_verify_steps_after_verify_steps_are_timed():
             assert policy.step_time.get((0, 8)) is None or policy.step_time[(0, 8)].value is None
             assert list(policy.accepted[8].samples) == [3]
     assert policy.step_time[(0, 8)].value == 1.0  # step 2 only: steps 1 and 4 followed a prefill
-    assert policy.summary() == "batch 1: B=8: 3 steps, B=16: 0 steps"  # 3 requests: not yet a measurement
+    # 3 requests: not yet a measurement
+    assert policy.summary() == "batch 1: B=8: 3 steps, B=16: 0 steps, between steps of one budget 1000.00 ms (1 steps)"
     assert list(policy.accepted[8].samples) == [3, 3, 3]
+
+
+def test_the_summary_tells_steps_around_a_change_of_budget_from_the_rest():
+    """The estimates time a budget only between steps of that budget; the steps next to a change are reported apart
+    (the default's steps cost more the more often its choice changed, H100 2026-12-07, unexplained)."""
+    now = [0.0]
+    policy = CostAwareBudget([16, 32], clock=lambda: now[0])
+    steps = [(16, 16, 1e-3), (16, 32, 2e-3), (32, 16, 2e-3), (16, 16, 2e-3), (16, 16, 1e-3)]  # budget, next, seconds
+    for budget, after, seconds in steps:
+        now[0] += seconds
+        policy.observe_step(1, budget, verify_only=True, next_step=(1, after, True))
+    assert policy.summary().endswith("between steps of one budget 1.00 ms (1 steps), around a change 2.00 ms (3 steps)")
 
 
 def test_unmeasured_budgets_are_tried_first():

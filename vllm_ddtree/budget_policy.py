@@ -274,8 +274,7 @@ class CostAwareBudget:
                 if pure:
                     self._time(*key).extend([now - self._last_output])
                 kind = "same" if pure and self._last_budget == budget else "change"
-                self.neighbours.setdefault((key[0], kind), _Recent(1024, 1, statistics.median)).extend(
-                    [now - self._last_output])
+                self._neighbour_steps(key[0], kind).extend([now - self._last_output])
         self._last_output, self._last_clean, self._last_budget = now, verify_only, budget
 
     def summary(self) -> str:
@@ -303,6 +302,12 @@ class CostAwareBudget:
 
     def _label(self, budget: int) -> str:
         return "chain" if budget == self.chain else f"B={budget}"
+
+    def _neighbour_steps(self, bucket: int, kind: str) -> _Recent:
+        key = (bucket, kind)
+        if key not in self.neighbours:
+            self.neighbours[key] = _Recent(1024, 1, statistics.median)
+        return self.neighbours[key]
 
     def _time(self, bucket: int, budget: int) -> _Recent:
         key = (bucket, budget)

@@ -213,7 +213,8 @@ def test_only_verify_steps_after_verify_steps_are_timed():
 
 def test_the_summary_tells_steps_around_a_change_of_budget_from_the_rest():
     """The estimates time a budget only between steps of that budget; the steps next to a change are reported apart
-    (the default's steps cost more the more often its choice changed, H100 2026-12-07, unexplained)."""
+    (H100 2026-12-07: the default's steps cost more while its choice scattered; around a change they cost what the
+    others did)."""
     now = [0.0]
     policy = CostAwareBudget([16, 32], clock=lambda: now[0])
     steps = [(16, 16, 1e-3), (16, 32, 2e-3), (32, 16, 2e-3), (16, 16, 2e-3), (16, 16, 1e-3)]  # budget, next, seconds
@@ -442,17 +443,22 @@ class ReportingEngine(Engine):
         super().__init__(policy, seconds, accepted)
         self.chain = chain
 
+    def request(self) -> dict[int, float]:
+        """What each choice accepts on one request's tokens."""
+        return {b: self.accepted(b) for b in self.policy.budgets}
+
     def run(self, batch: int, steps: int) -> list[int]:
         chosen = []
         for _ in range(steps):
             budget = self.policy[batch]
             self.now += self.seconds(batch, budget)
+            rows = [self.request() for _ in range(batch)]
             by_choice = None
             if budget == self.chain:
-                for _ in range(batch):
-                    self.policy.observe_request(self.accepted(budget))
+                for row in rows:
+                    self.policy.observe_request(row[budget])
             else:
-                by_choice = [[self.accepted(b) if b <= budget else -1 for b in self.policy.budgets]] * batch
+                by_choice = [[row[b] if b <= budget else -1 for b in self.policy.budgets] for row in rows]
             self.policy.observe_step(batch, budget, verify_only=True, by_choice=by_choice)
             chosen.append(budget)
         return chosen
@@ -507,21 +513,8 @@ class SampledEngine(ReportingEngine):
         super().__init__(policy, seconds, None, chain)
         self.draw, self.rng = draw, random.Random(seed)
 
-    def run(self, batch: int, steps: int) -> list[int]:
-        chosen = []
-        for _ in range(steps):
-            budget = self.policy[batch]
-            self.now += self.seconds(batch, budget)
-            rows = [self.draw(self.rng) for _ in range(batch)]
-            if budget == self.chain:
-                for row in rows:
-                    self.policy.observe_request(row[budget])
-                self.policy.observe_step(batch, budget, verify_only=True)
-            else:
-                by_choice = [[row[b] if b <= budget else -1 for b in self.policy.budgets] for row in rows]
-                self.policy.observe_step(batch, budget, verify_only=True, by_choice=by_choice)
-            chosen.append(budget)
-        return chosen
+    def request(self) -> dict[int, int]:
+        return self.draw(self.rng)
 
 
 def pair_request(rng: random.Random) -> dict[int, int]:

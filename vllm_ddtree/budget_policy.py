@@ -159,6 +159,9 @@ class CostAwareBudget:
         # Per batch bucket, the intervals of verify-only steps whose neighbours verified the same budget ("same") or
         # not ("change"): what a change of budget costs, which the estimates above never time (summary, shut-down).
         self.neighbours: dict[tuple[int, str], _Recent] = {}
+        # Opt-in (scheduler.RECORD_ENV): per step output (steps, batch size, budget, verify_only, ms since the last
+        # output or None, whether that interval timed the budget), the record behind the summary's medians.
+        self.record: deque[tuple] | None = None
 
     def __getitem__(self, batch_size: int) -> int:
         return self.choose(batch_size)
@@ -248,6 +251,7 @@ class CostAwareBudget:
         scheduled after this one before this output arrived (asynchronous scheduling), None where it had not."""
         now = self.clock()
         self.steps += 1
+        timed = False
         accepted, self._step_accepted = self._step_accepted, []
         if by_choice is not None:
             by_choice = np.asarray(by_choice)
@@ -273,8 +277,12 @@ class CostAwareBudget:
             if self._last_clean and self._last_output is not None:
                 if pure:
                     self._time(*key).extend([now - self._last_output])
+                    timed = True
                 kind = "same" if pure and self._last_budget == budget else "change"
                 self._neighbour_steps(key[0], kind).extend([now - self._last_output])
+        if self.record is not None:
+            since = None if self._last_output is None else round(1e3 * (now - self._last_output), 4)
+            self.record.append((self.steps, batch_size, budget, verify_only, since, timed))
         self._last_output, self._last_clean, self._last_budget = now, verify_only, budget
 
     def summary(self) -> str:

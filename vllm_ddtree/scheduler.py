@@ -7,12 +7,19 @@ request with drafts) and the time each step's output arrives; where the runner r
 accepted (``ModelRunnerOutput.ddtree_acceptance``, acceptance_by_choice.py), that, per request, instead of the
 counts. ``config.settle_budget_policy`` names ``make_scheduler`` as vLLM's ``scheduler_cls``; it builds on vLLM's
 synchronous or asynchronous scheduler, whichever the engine runs.
+
+Set ``VLLM_DDTREE_BUDGET_RECORD=<directory>`` to have the engine core write, as it stops, the policy's per-step
+record (``budget_record_<pid>.json``: each step output's batch size, budget, interval and whether that interval timed
+the budget; the last ``RECORD_STEPS``): which choice ran when, behind the shut-down summary's medians.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -23,6 +30,10 @@ from vllm_ddtree.budget_policy import CostAwareBudget
 from vllm_ddtree.config import chain_fallback, tree_budget_choices
 
 logger = logging.getLogger(LOGGER_NAME)
+
+RECORD_ENV = "VLLM_DDTREE_BUDGET_RECORD"
+RECORD_STEPS = 1 << 18
+RECORD_COLUMNS = ("step", "batch_size", "budget", "verify_only", "ms_since_last_output", "timed")
 
 
 def verified_budget(scheduler_output: Any) -> tuple[int, bool]:
@@ -59,6 +70,8 @@ class _CostAwareBudgetMixin:
         # Scheduled steps whose outputs have not arrived, oldest first: with asynchronous scheduling the engine
         # schedules (and launches) the next step before it takes a step's output (budget_policy: pipelined engines).
         self._in_flight: deque[Any] = deque()
+        if os.environ.get(RECORD_ENV):
+            self.budget_policy.record = deque(maxlen=RECORD_STEPS)
 
     def schedule(self, *args: Any, **kwargs: Any):
         scheduler_output = super().schedule(*args, **kwargs)
@@ -93,6 +106,15 @@ class _CostAwareBudgetMixin:
 
     def shutdown(self) -> None:
         logger.info("ddtree cost-aware budget, verify steps: %s", self.budget_policy.summary())
+        if (record := self.budget_policy.record) is not None:
+            path = Path(os.environ[RECORD_ENV]) / f"budget_record_{os.getpid()}.json"
+            try:  # a diagnostic: a path that cannot be written must not fail the engine's stop
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({"budgets": self.budget_policy.budgets, "chain": self.budget_policy.chain,
+                                            "columns": RECORD_COLUMNS, "steps": list(record)}))
+                logger.info("ddtree cost-aware budget: %d steps recorded in %s", len(record), path)
+            except OSError as error:
+                logger.warning("ddtree cost-aware budget: the step record could not be written (%s)", error)
         super().shutdown()
 
 

@@ -435,6 +435,50 @@ def test_the_scheduler_tells_the_policy_which_step_it_scheduled_next():
     assert not fake._in_flight
 
 
+@pytest.mark.parametrize("asked", [True, False])
+def test_the_scheduler_records_each_step_where_asked(monkeypatch, tmp_path, asked):
+    """With ``VLLM_DDTREE_BUDGET_RECORD`` the engine core writes, as it stops, one row per step output: its batch
+    size, budget, the interval since the output before and whether that interval timed the budget (a step after a
+    prefill does not); without it, nothing is kept."""
+    import json
+
+    from vllm_ddtree import scheduler
+
+    if asked:
+        monkeypatch.setenv(scheduler.RECORD_ENV, str(tmp_path / "records"))
+    else:
+        monkeypatch.delenv(scheduler.RECORD_ENV, raising=False)
+    monkeypatch.setattr(scheduler, "tree_budget_choices", lambda spec: [15, 16, 64])
+    now = iter([0.0, 0.004, 0.009, 0.012])
+
+    class Base:
+        def __init__(self):
+            self.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(tree_depth=15))
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return None
+
+        def shutdown(self):
+            self.stopped = True
+
+    fake = type("Fake", (scheduler._CostAwareBudgetMixin, Base), {})()
+    fake.budget_policy.clock = lambda: next(now)
+    for step in (_output({"a": 40}, {}, new_reqs=["a"]), _output({"a": 17}, {"a": [0] * 16}),
+                 _output({"a": 17}, {"a": [0] * 16}), _output({"a": 65}, {"a": [0] * 64})):
+        fake.update_from_output(step, SimpleNamespace(req_ids=["a"]))
+    fake.shutdown()
+    assert fake.stopped
+    written = list(tmp_path.glob("records/budget_record_*.json"))
+    if not asked:
+        assert fake.budget_policy.record is None and not written
+        return
+    record = json.loads(written[0].read_text())
+    assert record["columns"][-2:] == ["ms_since_last_output", "timed"]
+    assert record["steps"] == [[1, 1, 0, False, None, False], [2, 1, 16, True, 4.0, False],
+                               [3, 1, 16, True, 5.0, True], [4, 1, 64, True, 3.0, True]]
+    assert len(fake.budget_policy._time(0, 16).samples) == 1
+
+
 class ReportingEngine(Engine):
     """As Model Runner V2's ddtree engine reports: a tree step at budget B tells what every choice up to B accepted
     on its tokens (acceptance_by_choice.py), a chain step (vLLM's rejection sampler) only the chain's own count."""

@@ -251,6 +251,7 @@ class CostAwareBudget:
         scheduled after this one before this output arrived (asynchronous scheduling), None where it had not."""
         now = self.clock()
         self.steps += 1
+        interval = None if self._last_output is None else now - self._last_output  # since the output before
         timed = False
         accepted, self._step_accepted = self._step_accepted, []
         if by_choice is not None:
@@ -274,14 +275,14 @@ class CostAwareBudget:
                     self.gain[b].extend(gains[both[:, i], i].tolist())
             # The interval holds the next step's host work where one was scheduled before this output (above).
             pure = next_step is None or (batch_bucket(next_step[0]), next_step[1], next_step[2]) == (*key, True)
-            if self._last_clean and self._last_output is not None:
+            if self._last_clean and interval is not None:
                 if pure:
-                    self._time(*key).extend([now - self._last_output])
+                    self._time(*key).extend([interval])
                     timed = True
                 kind = "same" if pure and self._last_budget == budget else "change"
-                self._neighbour_steps(key[0], kind).extend([now - self._last_output])
+                self._neighbour_steps(key[0], kind).extend([interval])
         if self.record is not None:
-            since = None if self._last_output is None else round(1e3 * (now - self._last_output), 4)
+            since = None if interval is None else round(1e3 * interval, 4)
             self.record.append((self.steps, batch_size, budget, verify_only, since, timed))
         self._last_output, self._last_clean, self._last_budget = now, verify_only, budget
 

@@ -70,7 +70,8 @@ class _CostAwareBudgetMixin:
         # Scheduled steps whose outputs have not arrived, oldest first: with asynchronous scheduling the engine
         # schedules (and launches) the next step before it takes a step's output (budget_policy: pipelined engines).
         self._in_flight: deque[Any] = deque()
-        if os.environ.get(RECORD_ENV):
+        self._record_dir = os.environ.get(RECORD_ENV)
+        if self._record_dir:
             self.budget_policy.record = deque(maxlen=RECORD_STEPS)
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -107,7 +108,7 @@ class _CostAwareBudgetMixin:
     def shutdown(self) -> None:
         logger.info("ddtree cost-aware budget, verify steps: %s", self.budget_policy.summary())
         if (record := self.budget_policy.record) is not None:
-            path = Path(os.environ[RECORD_ENV]) / f"budget_record_{os.getpid()}.json"
+            path = Path(self._record_dir) / f"budget_record_{os.getpid()}.json"
             try:  # a diagnostic: a path that cannot be written must not fail the engine's stop
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps({"budgets": self.budget_policy.budgets, "chain": self.budget_policy.chain,

@@ -162,6 +162,9 @@ class CostAwareBudget:
         # Opt-in (scheduler.RECORD_ENV): per step output (steps, batch size, budget, verify_only, ms since the last
         # output or None, whether that interval timed the budget), the record behind the summary's medians.
         self.record: deque[tuple] | None = None
+        # Opt-in with ``record``: per choice (steps, batch size, budget, why, each choice's expected tokens per ms
+        # and accepted drafts, None where unmeasured): what the policy saw when it chose.
+        self.decisions: deque[tuple] | None = None
 
     def __getitem__(self, batch_size: int) -> int:
         return self.choose(batch_size)
@@ -193,6 +196,16 @@ class CostAwareBudget:
         count = self.choices[bucket] = self.choices.get(bucket, 0) + 1
         accepted = self.acceptance()  # each window read once (ages filter it)
         rates = {b: self._rate(bucket, b, accepted[b]) for b in self.budgets}
+        budget, why = self._choose(count, accepted, rates)
+        if self.decisions is not None:
+            self.decisions.append((self.steps, batch_size, budget, why,
+                                   [None if r is None else round(r / 1e3, 5) for r in rates.values()],
+                                   [None if a is None else round(a, 4) for a in accepted.values()]))
+        return budget
+
+    def _choose(self, count: int, accepted: dict[int, float | None],
+                rates: dict[int, float | None]) -> tuple[int, str]:
+        """The budget for a bucket's ``count``-th step, and why: "explore", "probe" or "best"."""
 
         def accepts_more(larger: int, smaller: int) -> bool:
             """Whether ``larger`` may accept more than the measured ``smaller``: unmeasured, or measured higher."""
@@ -207,7 +220,7 @@ class CostAwareBudget:
             if peak is not None and not may_pay(b, peak):
                 break  # known to accept no more: its time need not be measured (module docstring)
             if rates[b] is None:
-                return b
+                return b, "explore"
             if peak is not None and rates[b] < rates[peak]:
                 break
             peak = b
@@ -225,10 +238,10 @@ class CostAwareBudget:
                 above = None
             probe = count // self.probe_every
             if above is not None and (probe % 2 == 0 or not below):
-                return above
+                return above, "probe"
             if below:
-                return below[(probe // 2 if above is not None else probe) % len(below)]
-        return best
+                return below[(probe // 2 if above is not None else probe) % len(below)], "probe"
+        return best, "best"
 
     def _settled(self, smaller: int, larger: int, smaller_accepts: float) -> bool:
         """Whether ``larger``'s acceptance against the measured ``smaller`` is evidence enough to stop timing it

@@ -10,7 +10,8 @@ synchronous or asynchronous scheduler, whichever the engine runs.
 
 Set ``VLLM_DDTREE_BUDGET_RECORD=<directory>`` to have the engine core write, as it stops, the policy's per-step
 record (``budget_record_<pid>.json``: each step output's batch size, budget, interval and whether that interval timed
-the budget; the last ``RECORD_STEPS``): which choice ran when, behind the shut-down summary's medians.
+the budget; each choice with why it was made and the estimates it saw; the last ``RECORD_STEPS`` of each): which
+choice ran when and why, behind the shut-down summary's medians (``benchmarks/budget_record.py`` reads it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ logger = logging.getLogger(LOGGER_NAME)
 RECORD_ENV = "VLLM_DDTREE_BUDGET_RECORD"
 RECORD_STEPS = 1 << 18
 RECORD_COLUMNS = ("step", "batch_size", "budget", "verify_only", "ms_since_last_output", "timed")
+DECISION_COLUMNS = ("step", "batch_size", "budget", "why", "tokens_per_ms", "accepted")
 
 
 def verified_budget(scheduler_output: Any) -> tuple[int, bool]:
@@ -73,6 +75,7 @@ class _CostAwareBudgetMixin:
         self._record_dir = os.environ.get(RECORD_ENV)
         if self._record_dir:
             self.budget_policy.record = deque(maxlen=RECORD_STEPS)
+            self.budget_policy.decisions = deque(maxlen=RECORD_STEPS)
 
     def schedule(self, *args: Any, **kwargs: Any):
         scheduler_output = super().schedule(*args, **kwargs)
@@ -112,7 +115,9 @@ class _CostAwareBudgetMixin:
             try:  # a diagnostic: a path that cannot be written must not fail the engine's stop
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps({"budgets": self.budget_policy.budgets, "chain": self.budget_policy.chain,
-                                            "columns": RECORD_COLUMNS, "steps": list(record)}))
+                                            "columns": RECORD_COLUMNS, "steps": list(record),
+                                            "decision_columns": DECISION_COLUMNS,
+                                            "decisions": list(self.budget_policy.decisions)}))
                 logger.info("ddtree cost-aware budget: %d steps recorded in %s", len(record), path)
             except OSError as error:
                 logger.warning("ddtree cost-aware budget: the step record could not be written (%s)", error)

@@ -439,7 +439,7 @@ def test_the_scheduler_tells_the_policy_which_step_it_scheduled_next():
 def test_the_scheduler_records_each_step_where_asked(monkeypatch, tmp_path, asked):
     """With ``VLLM_DDTREE_BUDGET_RECORD`` the engine core writes, as it stops, one row per step output: its batch
     size, budget, the interval since the output before and whether that interval timed the budget (a step after a
-    prefill does not); without it, nothing is kept."""
+    prefill does not), and one row per choice with why it was made; without it, nothing is kept."""
     import json
 
     from vllm_ddtree import scheduler
@@ -463,6 +463,7 @@ def test_the_scheduler_records_each_step_where_asked(monkeypatch, tmp_path, aske
 
     fake = type("Fake", (scheduler._CostAwareBudgetMixin, Base), {})()
     fake.budget_policy.clock = lambda: next(now)
+    chosen = fake.budget_policy[1]  # nothing measured: the smallest choice, explored
     for step in (_output({"a": 40}, {}, new_reqs=["a"]), _output({"a": 17}, {"a": [0] * 16}),
                  _output({"a": 17}, {"a": [0] * 16}), _output({"a": 65}, {"a": [0] * 64})):
         fake.update_from_output(step, SimpleNamespace(req_ids=["a"]))
@@ -476,6 +477,7 @@ def test_the_scheduler_records_each_step_where_asked(monkeypatch, tmp_path, aske
     assert record["columns"][-2:] == ["ms_since_last_output", "timed"]
     assert record["steps"] == [[1, 1, 0, False, None, False], [2, 1, 16, True, 4.0, False],
                                [3, 1, 16, True, 5.0, True], [4, 1, 64, True, 3.0, True]]
+    assert record["decisions"] == [[0, 1, chosen, "explore", [None] * 3, [None] * 3]] and chosen == 15
     assert len(fake.budget_policy._time(0, 16).samples) == 1
 
 

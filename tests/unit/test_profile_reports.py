@@ -1,4 +1,5 @@
-"""benchmarks/kernel_profile.py and host_profile.py: the per-step tables the profile phases print, on small inputs."""
+"""benchmarks/kernel_profile.py, host_profile.py and the other readers of what a GPU run saved: the tables they print,
+on small inputs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def _load(name: str):
 
 kp = _load("kernel_profile")
 hp = _load("host_profile")
+br = _load("budget_record")
 
 
 def test_kernel_profile_sums_matrix_products_and_counts_launches():
@@ -155,3 +157,37 @@ def test_host_cpu_use_splits_the_timed_engine_from_other_processes(tmp_path):
     assert use["busiest"] == [["noisy[20]", 0.5], ["new[30]", 0.25]]
     assert use["steal"] == pytest.approx(0.1)
     assert host_load.cpu_use(before, before, own_root=10) is None  # no interval
+
+
+def test_budget_record_splits_intervals_by_run_and_finds_the_best_stretches(tmp_path):
+    """Steps of one budget at one batch bucket form a run; an interval after a step of the same run is "same", after
+    any other verify step "change", and none after a prefill; the best choice's stretches skip probes."""
+    import json
+
+    steps = [[1, 1, 0, False, None, False], [2, 1, 15, True, 4.0, False], [3, 1, 15, True, 4.0, True],
+             [4, 1, 64, True, 6.0, True], [5, 1, 64, True, 3.0, False], [6, 1, 15, True, 5.0, True],
+             [7, 3, 15, True, 9.0, True]]
+    unseen = [None] * 3
+    decisions = [[0, 1, 15, "explore", unseen, unseen], [1, 1, 15, "explore", unseen, unseen],
+                 [2, 1, 64, "probe", [0.25, None, None], [0, None, None]], [3, 1, 64, "probe", unseen, unseen],
+                 [4, 1, 15, "best", [0.25, None, 0.3], [0, None, 0.5]], [5, 3, 15, "best", unseen, unseen],
+                 [5, 1, 64, "probe", unseen, unseen], [6, 1, 15, "best", unseen, unseen],
+                 [7, 1, 64, "best", [0.25, None, 0.4], [0, None, 0.5]]]
+    record = {"budgets": [15, 16, 64], "chain": 15, "columns": ["step", "batch_size", "budget", "verify_only",
+                                                                 "ms_since_last_output", "timed"],
+              "steps": steps, "decision_columns": ["step", "batch_size", "budget", "why", "tokens_per_ms",
+                                                   "accepted"], "decisions": decisions}
+    (tmp_path / "budget_record_7.json").write_text(json.dumps(record))
+    [(name, loaded)] = br.load([tmp_path])
+    table = br.choice_table(loaded)
+    assert table["1"][15] == {"steps": 3, "runs": 2, "median_run": 1.5, "ms_after_same": 4.0, "ms_after_change": 5.0,
+                              "ms_timed": 4.5, "why": {"explore": 2, "best": 2}}
+    assert table["1"][64] == {"steps": 2, "runs": 1, "median_run": 2, "ms_after_same": 3.0, "ms_after_change": 6.0,
+                              "ms_timed": 6.0, "why": {"probe": 3, "best": 1}}
+    assert table["3-4"][15]["ms_after_change"] == 9.0 and table["3-4"][15]["runs"] == 1
+    stretches = br.best_stretches(loaded)
+    assert [(s["budget"], s["from_step"], s["decisions"]) for s in stretches["1"]] == [(15, 4, 2), (64, 7, 1)]
+    assert stretches["1"][1]["tokens_per_ms"] == {15: 0.25, 16: None, 64: 0.4}
+    text = br.report(name, loaded, table, stretches, top=8)
+    assert "| 1 | chain | 3 | 2 | 1.5 | 4.0 | 5.0 | 4.5 | best 2, explore 2 |" in text
+    assert "from step 7: B=64 for 1 decisions; tokens/ms seen: chain 0.250, B=64 0.400" in text

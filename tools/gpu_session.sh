@@ -132,6 +132,14 @@ phase_equality() {
   tail -12 "$RESULTS/equality.log"
 }
 
+budget_record_report() {
+  # With VLLM_DDTREE_BUDGET_RECORD=<dir> each cost-aware engine core wrote its step record there as it stopped.
+  [ -n "${VLLM_DDTREE_BUDGET_RECORD:-}" ] || return 0
+  python3 benchmarks/budget_record.py "$VLLM_DDTREE_BUDGET_RECORD" --out "$RESULTS/budget_record_$1.json" \
+    --png "$RESULTS/budget_record_$1.png" > "$RESULTS/budget_record_$1.log" 2>&1
+  head -c 5000 "$RESULTS/budget_record_$1.log"
+}
+
 phase_speed() {
   # Issue 18/19: bf16 tokens/s as vLLM runs each method (the chain on Model Runner V2 with FlashAttention 3),
   # SmolLM2 + the trained drafter, 12 held-out prompts x 128 tokens, every ratio from this one run. Engines start in
@@ -146,6 +154,7 @@ phase_speed() {
     --batch-sizes ${SPEED_BATCHES:-1 8} --max-tokens 128 ${SIDE_BY_SIDE:-} ${SPEED_ARGS:-} --configs "${SPEED_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" \
     --out "$RESULTS/speed_bf16.json" > "$RESULTS/speed.log" 2>&1
   tail -16 "$RESULTS/speed.log"
+  budget_record_report speed
 }
 
 phase_profile() {
@@ -233,6 +242,7 @@ phase_tax() {
     --configs "${TAX_CONFIGS:-no-spec,dflash,ddtree B=16,ddtree B=64}" ${TAX_ARGS:-} \
     --out "$RESULTS/tax.json" > "$RESULTS/tax.log" 2>&1
   tail -24 "$RESULTS/tax.log"
+  budget_record_report tax
 }
 
 phase_synthetic() {

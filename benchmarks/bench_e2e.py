@@ -44,6 +44,7 @@ from vllm_ddtree.attention.backend import TREE_KERNEL_PREFIX_ENV
 from vllm_ddtree.config import BENCHMARK_ENV, CHAIN, DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
+from vllm_ddtree.scheduler import PIN_ENV as BUDGET_PIN_ENV
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -346,6 +347,10 @@ def main() -> None:
     parser.add_argument("--ddtree-default", action="store_true", help="also run 'ddtree default': no budget given, "
                         "so ddtree chooses (the cost-aware budget with the chain fallback on Model Runner V2, B=64 "
                         "on the V1 runner)")
+    parser.add_argument("--ddtree-default-pinned", type=int, nargs="+", default=None, metavar="B", help="also run "
+                        "'ddtree default pinned B=<b>': the default engine with every step verifying b "
+                        "(VLLM_DDTREE_BUDGET_PIN; 15 is the chain), against 'ddtree B=<b>' what the cost-aware "
+                        "machinery costs, against 'ddtree default' what the choice costs")
     parser.add_argument("--tree-budgets", type=int, nargs="+", default=None, help="also run 'ddtree cost-aware': "
                         "ddtree's tree_budgets, each step's budget among these from live acceptance and step time "
                         "(vllm_ddtree/budget_policy.py), e.g. 16 32 64")
@@ -436,7 +441,8 @@ def main() -> None:
     if args.max_num_batched_tokens and not batched_tokens_given:  # the CPU default: room for every verify step
         largest = max(args.budgets + [chain] + [entry[2] for entry in args.budget_schedule or []]
                       + (args.tree_budgets or [])
-                      + ([DEFAULT_TREE_BUDGET] if args.chain_fallback or args.ddtree_default else []))
+                      + ([DEFAULT_TREE_BUDGET] if args.chain_fallback or args.ddtree_default
+                         or args.ddtree_default_pinned else []))
         args.max_num_batched_tokens = max(args.max_num_batched_tokens, max(args.batch_sizes) * (1 + largest))
     drafter_load = {"draft_load_config": {"load_format": "auto"}} if load_format == "dummy" else {}
     chain_spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain, **drafter_load}
@@ -456,6 +462,9 @@ def main() -> None:
                                             **drafter_load}, {}))
     if args.ddtree_default:
         configs.append(("ddtree default", {"method": "ddtree", "model": drafter, **drafter_load}, {}))
+    for b in args.ddtree_default_pinned or ():
+        configs.append((f"ddtree default pinned B={b}", {"method": "ddtree", "model": drafter, **drafter_load},
+                        {BUDGET_PIN_ENV: str(b)}))
     if args.tree_budgets:
         configs.append(("ddtree cost-aware", {"method": "ddtree", "model": drafter, "tree_budgets": args.tree_budgets,
                                               "num_speculative_tokens": max(args.tree_budgets), **drafter_load},

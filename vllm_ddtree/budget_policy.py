@@ -165,6 +165,9 @@ class CostAwareBudget:
         # Opt-in with ``record``: per choice (steps, batch size, budget, why, each choice's expected tokens per ms
         # and accepted drafts, None where unmeasured): what the policy saw when it chose.
         self.decisions: deque[tuple] | None = None
+        # A benchmark's bisection (scheduler.PIN_ENV): every step verifies this choice while the rest of the
+        # machinery (acceptance by choice, estimates, every choice's graphs) runs as it would; None: the policy chooses.
+        self.pinned: int | None = None
 
     def __getitem__(self, batch_size: int) -> int:
         return self.choose(batch_size)
@@ -196,7 +199,7 @@ class CostAwareBudget:
         count = self.choices[bucket] = self.choices.get(bucket, 0) + 1
         accepted = self.acceptance()  # each window read once (ages filter it)
         rates = {b: self._rate(bucket, b, accepted[b]) for b in self.budgets}
-        budget, why = self._choose(count, accepted, rates)
+        budget, why = (self.pinned, "pinned") if self.pinned is not None else self._choose(count, accepted, rates)
         if self.decisions is not None:
             self.decisions.append((self.steps, batch_size, budget, why,
                                    [None if r is None else round(r / 1e3, 5) for r in rates.values()],
@@ -205,7 +208,7 @@ class CostAwareBudget:
 
     def _choose(self, count: int, accepted: dict[int, float | None],
                 rates: dict[int, float | None]) -> tuple[int, str]:
-        """The budget for a bucket's ``count``-th step, and why: "explore", "probe" or "best"."""
+        """The budget for a bucket's ``count``-th step, and why: "explore", "probe" or "best" ("pinned": ``pinned``)."""
 
         def accepts_more(larger: int, smaller: int) -> bool:
             """Whether ``larger`` may accept more than the measured ``smaller``: unmeasured, or measured higher."""

@@ -12,6 +12,10 @@ Set ``VLLM_DDTREE_BUDGET_RECORD=<directory>`` to have the engine core write, as 
 record (``budget_record_<pid>.json``: each step output's batch size, budget, interval and whether that interval timed
 the budget; each choice with why it was made and the estimates it saw; the last ``RECORD_STEPS`` of each): which
 choice ran when and why, behind the shut-down summary's medians (``benchmarks/budget_record.py`` reads it).
+
+``VLLM_DDTREE_BUDGET_PIN=<choice>`` is a benchmark's bisection: every step verifies that choice while everything
+else the cost-aware engine does runs as usual, so its tokens/s against a fixed-budget engine of the same budget is
+what the machinery costs, and against the unpinned engine what the choice costs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from vllm_ddtree.config import chain_fallback, tree_budget_choices
 logger = logging.getLogger(LOGGER_NAME)
 
 RECORD_ENV = "VLLM_DDTREE_BUDGET_RECORD"
+PIN_ENV = "VLLM_DDTREE_BUDGET_PIN"
 RECORD_STEPS = 1 << 18
 RECORD_COLUMNS = ("step", "batch_size", "budget", "verify_only", "ms_since_last_output", "timed")
 DECISION_COLUMNS = ("step", "batch_size", "budget", "why", "tokens_per_ms", "accepted")
@@ -62,6 +67,14 @@ def acceptance_of_drafted(scheduler_output: Any, model_runner_output: Any):
     return acceptance[[i for i, req in enumerate(model_runner_output.req_ids) if drafts.get(req)]]
 
 
+def pinned_choice(value: str, choices: tuple[int, ...]) -> int:
+    """``VLLM_DDTREE_BUDGET_PIN``'s choice, checked at start-up against the engine's choices."""
+    if not value.strip().isdigit() or int(value) not in choices:
+        raise ValueError(f"{PIN_ENV}={value!r}: give one of this engine's budget choices {list(choices)} (the "
+                         f"chain's is its draft count), or unset it to let the cost-aware budget choose")
+    return int(value)
+
+
 class _CostAwareBudgetMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,6 +85,8 @@ class _CostAwareBudgetMixin:
         # Scheduled steps whose outputs have not arrived, oldest first: with asynchronous scheduling the engine
         # schedules (and launches) the next step before it takes a step's output (budget_policy: pipelined engines).
         self._in_flight: deque[Any] = deque()
+        if (pin := os.environ.get(PIN_ENV)) is not None:
+            self.budget_policy.pinned = pinned_choice(pin, self.budget_policy.budgets)
         self._record_dir = os.environ.get(RECORD_ENV)
         if self._record_dir:
             self.budget_policy.record = deque(maxlen=RECORD_STEPS)

@@ -551,6 +551,34 @@ def test_with_nothing_accepted_the_trees_are_not_timed_at_each_batch_size():
     assert 1 <= len(chosen) - Counter(chosen)[15] <= 2, Counter(chosen)
 
 
+@pytest.mark.parametrize("pin", ["64", "15", "48", "chain"])
+def test_a_pinned_engine_verifies_its_choice_on_every_step_and_keeps_measuring(monkeypatch, pin):
+    """``VLLM_DDTREE_BUDGET_PIN`` bisects the default's cost against a fixed budget: every step verifies the pinned
+    choice while acceptance by choice and the estimates go on; a value that is not one of the engine's choices
+    stops the engine at start-up with the choices named."""
+    from vllm_ddtree import scheduler
+
+    monkeypatch.setenv(scheduler.PIN_ENV, pin)
+    monkeypatch.setattr(scheduler, "tree_budget_choices", lambda spec: [15, 16, 32, 64])
+
+    class Base:
+        def __init__(self):
+            self.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(tree_depth=15))
+
+    if pin in ("48", "chain"):
+        with pytest.raises(ValueError, match=r"VLLM_DDTREE_BUDGET_PIN='(48|chain)'.*\[15, 16, 32, 64\]"):
+            type("Fake", (scheduler._CostAwareBudgetMixin, Base), {})()
+        return
+    policy = type("Fake", (scheduler._CostAwareBudgetMixin, Base), {})().budget_policy
+    seconds = {15: 2.0, 16: 2.1, 32: 2.2, 64: 2.3}
+    accepted = {15: 0.5, 16: 0.8, 32: 1.2, 64: 2.0}  # B=64 makes the most tokens per second
+    chosen = ReportingEngine(policy, lambda n, b: seconds[b], lambda b: accepted[b], chain=15).run(1, 100)
+    assert set(chosen) == {int(pin)}
+    assert policy.acceptance()[15] == pytest.approx(0.5)  # the chain's column: known on every tree step too
+    if pin == "64":
+        assert policy.acceptance()[32] == pytest.approx(1.2)
+
+
 class SampledEngine(ReportingEngine):
     """``ReportingEngine`` with each request's acceptance drawn (``draw(rng) -> {choice: accepted}``, nested as trees
     are: a larger tree accepts at least what a smaller one does), so the policy sees the spread of real requests;

@@ -208,7 +208,7 @@ class CostAwareBudget:
 
     def _choose(self, count: int, accepted: dict[int, float | None],
                 rates: dict[int, float | None]) -> tuple[int, str]:
-        """The budget for a bucket's ``count``-th step, and why: "explore", "probe" or "best" ("pinned": ``pinned``)."""
+        """The budget for a bucket's ``count``-th step, and why: "explore", "probe" or "best"."""
 
         def accepts_more(larger: int, smaller: int) -> bool:
             """Whether ``larger`` may accept more than the measured ``smaller``: unmeasured, or measured higher."""

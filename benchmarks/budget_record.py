@@ -20,12 +20,18 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from vllm_ddtree.budget_policy import batch_bucket, bucket_range
+
 
 def bucket_label(batch_size: int) -> str:
-    """The policy's batch bucket (budget_policy.batch_bucket) as a range: 1, 2, 3-4, 5-8, ..."""
-    bucket = max(batch_size - 1, 0).bit_length()
-    first, last = (1, 1) if bucket == 0 else (2 ** (bucket - 1) + 1, 2 ** bucket)
-    return str(first) if first == last else f"{first}-{last}"
+    """The policy's batch bucket of a batch size, as its range: 1, 2, 3-4, 5-8, ..."""
+    return bucket_range(batch_bucket(batch_size))
+
+
+def rows(record: dict, table: str) -> list[dict]:
+    """The record's ``"steps"`` or ``"decisions"`` as dicts keyed by their columns."""
+    columns = record["columns" if table == "steps" else "decision_columns"]
+    return [dict(zip(columns, row)) for row in record.get(table, [])]
 
 
 def _median(values: list[float]) -> float | None:
@@ -35,11 +41,10 @@ def _median(values: list[float]) -> float | None:
 def choice_table(record: dict) -> dict[str, dict[int, dict]]:
     """Per bucket and budget, over verify-only steps: steps, runs, median run length, median ms after a step of the
     same budget / after a change, median of the timed intervals, and the decisions by reason."""
-    rows = [dict(zip(record["columns"], step)) for step in record["steps"]]
     out: dict[str, dict[int, dict]] = defaultdict(dict)
     runs: dict[tuple[str, int], list[int]] = defaultdict(list)
     previous = None
-    for row in rows:
+    for row in rows(record, "steps"):
         if not row["verify_only"]:
             previous = None
             continue
@@ -57,8 +62,7 @@ def choice_table(record: dict) -> dict[str, dict[int, dict]]:
             cell["timed"].append(row["ms_since_last_output"])
         previous = key
     why: dict[tuple[str, int], Counter] = defaultdict(Counter)
-    for decision in record.get("decisions", []):
-        d = dict(zip(record["decision_columns"], decision))
+    for d in rows(record, "decisions"):
         why[(bucket_label(d["batch_size"]), d["budget"])][d["why"]] += 1
     for bucket, cells in out.items():
         for budget, cell in cells.items():
@@ -74,8 +78,7 @@ def best_stretches(record: dict) -> dict[str, list[dict]]:
     do not end it), each with its first decision's step, its length and the tokens/ms and acceptance it saw."""
     budgets = record["budgets"]
     out: dict[str, list[dict]] = defaultdict(list)
-    for decision in record.get("decisions", []):
-        d = dict(zip(record["decision_columns"], decision))
+    for d in rows(record, "decisions"):
         if d["why"] != "best":
             continue
         stretches = out[bucket_label(d["batch_size"])]
@@ -127,9 +130,9 @@ def plot(records: list[tuple[str, dict]], path: Path) -> None:
 
     fig, axes = plt.subplots(len(records), 1, figsize=(10, 2.5 * len(records)), squeeze=False)
     for ax, (name, record) in zip(axes[:, 0], records):
-        rows = [dict(zip(record["columns"], s)) for s in record["steps"] if s[3]]
-        ax.scatter([r["step"] for r in rows], [r["budget"] for r in rows], c=[r["batch_size"] for r in rows],
-                   s=2, cmap="viridis")
+        verified = [r for r in rows(record, "steps") if r["verify_only"]]
+        ax.scatter([r["step"] for r in verified], [r["budget"] for r in verified],
+                   c=[r["batch_size"] for r in verified], s=2, cmap="viridis")
         ax.set_yscale("log", base=2)
         ax.set_yticks(record["budgets"], [label(record, b) for b in record["budgets"]])
         ax.set_title(name, fontsize=9)

@@ -124,6 +124,12 @@ def batch_bucket(batch_size: int) -> int:
     return max(batch_size - 1, 0).bit_length()
 
 
+def bucket_range(bucket: int) -> str:
+    """A batch bucket's batch sizes as the summary writes them: 1, 2, 3-4, 5-8, ..."""
+    first, last = (1, 1) if bucket == 0 else (2 ** (bucket - 1) + 1, 2 ** bucket)
+    return str(first) if first == last else f"{first}-{last}"
+
+
 class CostAwareBudget:
     """Chooses each step's tree budget among ``budgets`` (module docstring).
 
@@ -308,7 +314,6 @@ class CostAwareBudget:
         parts = []
         acceptance = self.acceptance()
         for bucket in sorted({k[0] for k in self.verified}):
-            first, last = (1, 1) if bucket == 0 else (2 ** (bucket - 1) + 1, 2 ** bucket)
             cells = []
             for b in self.budgets:
                 seconds = self._time(bucket, b).value
@@ -319,7 +324,7 @@ class CostAwareBudget:
             for kind, label in (("same", "between steps of one budget"), ("change", "around a change")):
                 if (window := self.neighbours.get((bucket, kind))) is not None:
                     cells.append(f"{label} {1e3 * window.value:.2f} ms ({len(window.samples)} steps)")
-            parts.append(f"batch {first}{'' if first == last else f'-{last}'}: " + ", ".join(cells))
+            parts.append(f"batch {bucket_range(bucket)}: " + ", ".join(cells))
         if any(self.counterfactual.values()):  # acceptance by choice reached the policy
             parts.append("samples from steps at another budget: " + ", ".join(
                 f"{self._label(b)} {n}" for b, n in self.counterfactual.items()))

@@ -435,6 +435,19 @@ def test_the_scheduler_tells_the_policy_which_step_it_scheduled_next():
     assert not fake._in_flight
 
 
+def _started_scheduler(scheduler, **methods):
+    """The cost-aware scheduler built through its own ``__init__`` (the environment read at start-up), over a
+    stand-in for vLLM's scheduler with these ``methods`` and a speculative config of tree depth 15."""
+
+    class Base:
+        def __init__(self):
+            self.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(tree_depth=15))
+
+    for name, method in methods.items():
+        setattr(Base, name, method)
+    return type("Fake", (scheduler._CostAwareBudgetMixin, Base), {})()
+
+
 @pytest.mark.parametrize("asked", [True, False])
 def test_the_scheduler_records_each_step_where_asked(monkeypatch, tmp_path, asked):
     """With ``VLLM_DDTREE_BUDGET_RECORD`` the engine core writes, as it stops, one row per step output: its batch
@@ -451,17 +464,10 @@ def test_the_scheduler_records_each_step_where_asked(monkeypatch, tmp_path, aske
     monkeypatch.setattr(scheduler, "tree_budget_choices", lambda spec: [15, 16, 64])
     now = iter([0.0, 0.004, 0.009, 0.012])
 
-    class Base:
-        def __init__(self):
-            self.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(tree_depth=15))
+    def stop(self):
+        self.stopped = True
 
-        def update_from_output(self, scheduler_output, model_runner_output):
-            return None
-
-        def shutdown(self):
-            self.stopped = True
-
-    fake = type("Fake", (scheduler._CostAwareBudgetMixin, Base), {})()
+    fake = _started_scheduler(scheduler, update_from_output=lambda self, output, runner_output: None, shutdown=stop)
     fake.budget_policy.clock = lambda: next(now)
     chosen = fake.budget_policy[1]  # nothing measured: the smallest choice, explored
     for step in (_output({"a": 40}, {}, new_reqs=["a"]), _output({"a": 17}, {"a": [0] * 16}),
@@ -560,16 +566,11 @@ def test_a_pinned_engine_verifies_its_choice_on_every_step_and_keeps_measuring(m
 
     monkeypatch.setenv(scheduler.PIN_ENV, pin)
     monkeypatch.setattr(scheduler, "tree_budget_choices", lambda spec: [15, 16, 32, 64])
-
-    class Base:
-        def __init__(self):
-            self.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(tree_depth=15))
-
     if pin in ("48", "chain"):
         with pytest.raises(ValueError, match=r"VLLM_DDTREE_BUDGET_PIN='(48|chain)'.*\[15, 16, 32, 64\]"):
-            type("Fake", (scheduler._CostAwareBudgetMixin, Base), {})()
+            _started_scheduler(scheduler)
         return
-    policy = type("Fake", (scheduler._CostAwareBudgetMixin, Base), {})().budget_policy
+    policy = _started_scheduler(scheduler).budget_policy
     seconds = {15: 2.0, 16: 2.1, 32: 2.2, 64: 2.3}
     accepted = {15: 0.5, 16: 0.8, 32: 1.2, 64: 2.0}  # B=64 makes the most tokens per second
     chosen = ReportingEngine(policy, lambda n, b: seconds[b], lambda b: accepted[b], chain=15).run(1, 100)
@@ -646,8 +647,7 @@ def test_with_noisy_step_times_the_choice_makes_nearly_fixed_b64s_tokens_per_sec
     def tokens_per_second(seed: int, fixed: int | None) -> float:
         noise = random.Random(seed + 100)
         policy = CostAwareBudget([15, 16, 32, 64], chain=15)
-        if fixed is not None:
-            policy.choose = lambda batch_size: fixed
+        policy.pinned = fixed
         engine = SampledEngine(policy, lambda n, b: seconds[b] * noise.lognormvariate(0, 0.1), pair_request,
                                chain=15, seed=seed)
         chosen = engine.run(1, 1500)  # one request a step: the draws in step order

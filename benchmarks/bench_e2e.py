@@ -181,11 +181,12 @@ def _measure(llm, args: dict) -> list[dict]:
                 print("warning: vLLM did not reset the prefix cache after the warm-up pass", flush=True)
         before = _spec_counters(llm)
         host_before = host_load.snapshot(time.perf_counter())
-        outputs, elapsed = [], 0.0
+        outputs, group_seconds = [], []
         for group in groups:
             start = time.perf_counter()
             outputs += generate_together(llm, group, params)
-            elapsed += time.perf_counter() - start
+            group_seconds.append(time.perf_counter() - start)
+        elapsed = sum(group_seconds)
         host_cpu = host_load.cpu_use(host_before, host_load.snapshot(time.perf_counter()), os.getpid())
         after = _spec_counters(llm)
         drafts, accepted = after[0] - before[0], after[1] - before[1]
@@ -197,6 +198,8 @@ def _measure(llm, args: dict) -> list[dict]:
         rows.append({
             "batch": batch,
             "tokens_per_s": tokens / elapsed,
+            # Each group ends with its slowest request: beside budget_record.py's groups, where a ratio is made.
+            "group_seconds": [round(g, 4) for g in group_seconds],
             **request_latencies(outputs),
             "prefill_tokens_per_s": prompt_tokens / elapsed if args.get("prefill_tokens") else None,
             "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs),  # prefix-cache hits: 0 expected

@@ -7,7 +7,8 @@ SmolLM2 pair at batch 5-8 B=32 took 450 of 683 steps while the final estimates p
 record and reports, per batch bucket and choice: steps, runs (consecutive steps at one budget) and their median
 length, the median interval after a step of the same budget against after a change, the timed steps' median (what
 the policy's estimate holds), and why the policy chose it (explore, probe, best); then, per bucket, the stretches in
-which one choice was the policy's best, with the estimates it saw as each began:
+which one choice was the policy's best, with the estimates it saw as each began; then, per group of requests that
+started together, its steps at the full batch and in the tail after its first request finished:
 
     python benchmarks/budget_record.py DIR_OR_FILES... [--out budget_record.json] [--png budget_record.png]
 """
@@ -91,6 +92,32 @@ def best_stretches(record: dict) -> dict[str, list[dict]]:
     return dict(out)
 
 
+def group_table(record: dict) -> list[dict]:
+    """Per group of requests that started together (bench_e2e's groups: one step prefills them all, with no drafts):
+    its size, the interval that ended at that prefill's output (with the idle time before it), and its decode steps
+    split into those at the full batch and the tail after its first request finished (every batch bucket below), with
+    the budgets the tail ran. On the small pair a tail took 40-55% of a batch-32 group's time (H100, 2026-12-07)."""
+    groups: list[dict] = []
+    for row in rows(record, "steps"):
+        if not row["verify_only"] and row["budget"] == 0 and row["batch_size"] > 0:
+            if not groups or groups[-1]["steps"]:  # a prefill starts a group (a chunked one: the first chunk)
+                groups.append({"size": row["batch_size"], "prefill_ms": row["ms_since_last_output"], "steps": []})
+            continue
+        if groups and row["verify_only"]:
+            groups[-1]["steps"].append(row)
+    out = []
+    for group in groups:
+        full = [r for r in group["steps"] if r["batch_size"] >= group["size"]]
+        tail = [r for r in group["steps"] if r["batch_size"] < group["size"]]
+
+        def ms(steps: list[dict]) -> float:
+            return round(sum(r["ms_since_last_output"] or 0.0 for r in steps), 1)
+        out.append({"size": group["size"], "prefill_ms": group["prefill_ms"], "full_steps": len(full),
+                    "full_ms": ms(full), "tail_steps": len(tail), "tail_ms": ms(tail),
+                    "tail_budgets": dict(Counter(r["budget"] for r in tail))})
+    return out
+
+
 def load(paths: list[Path]) -> list[tuple[str, dict]]:
     files = [f for p in paths for f in (sorted(p.glob("budget_record_*.json")) if p.is_dir() else [p])]
     return [(f.name, json.loads(f.read_text())) for f in files]
@@ -100,7 +127,7 @@ def label(record: dict, budget: int) -> str:
     return "chain" if budget == record.get("chain") else f"B={budget}"
 
 
-def report(name: str, record: dict, table: dict, stretches: dict, top: int) -> str:
+def report(name: str, record: dict, table: dict, stretches: dict, top: int, groups: list[dict]) -> str:
     lines = [f"## {name}: {len(record['steps'])} step outputs, {len(record.get('decisions', []))} decisions",
              "| batch | choice | steps | runs | median run | ms after same | ms after change | ms timed | why |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -118,6 +145,15 @@ def report(name: str, record: dict, table: dict, stretches: dict, top: int) -> s
             seen = ", ".join(f"{label(record, b)} {r:.3f}" for b, r in s["tokens_per_ms"].items() if r is not None)
             lines.append(f"  from step {s['from_step']}: {label(record, s['budget'])} for {s['decisions']} decisions;"
                          f" tokens/ms seen: {seen}")
+    if groups:
+        lines += ["", "| group | size | prefill ms | full-batch steps | ms | tail steps | ms | tail share | "
+                      "tail budgets |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for i, g in enumerate(groups):
+            total = g["full_ms"] + g["tail_ms"]
+            budgets = ", ".join(f"{label(record, b)} {n}" for b, n in sorted(g["tail_budgets"].items()))
+            lines.append(f"| {i} | {g['size']} | {g['prefill_ms']} | {g['full_steps']} | {g['full_ms']} | "
+                         f"{g['tail_steps']} | {g['tail_ms']} | {g['tail_ms'] / total if total else 0:.2f} | "
+                         f"{budgets} |")
     return "\n".join(lines)
 
 
@@ -153,9 +189,9 @@ def main() -> None:
         raise SystemExit(f"no budget_record_*.json under {[str(p) for p in args.paths]}")
     results = {}
     for name, record in records:
-        table, stretches = choice_table(record), best_stretches(record)
-        print(report(name, record, table, stretches, args.top) + "\n")
-        results[name] = {"choices": table, "best_stretches": stretches}
+        table, stretches, groups = choice_table(record), best_stretches(record), group_table(record)
+        print(report(name, record, table, stretches, args.top, groups) + "\n")
+        results[name] = {"choices": table, "best_stretches": stretches, "groups": groups}
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     if args.png:

@@ -188,6 +188,25 @@ def test_budget_record_splits_intervals_by_run_and_finds_the_best_stretches(tmp_
     stretches = br.best_stretches(loaded)
     assert [(s["budget"], s["from_step"], s["decisions"]) for s in stretches["1"]] == [(15, 4, 2), (64, 7, 1)]
     assert stretches["1"][1]["tokens_per_ms"] == {15: 0.25, 16: None, 64: 0.4}
-    text = br.report(name, loaded, table, stretches, top=8)
+    text = br.report(name, loaded, table, stretches, top=8, groups=[])
     assert "| 1 | chain | 3 | 2 | 1.5 | 4.0 | 5.0 | 4.5 | best 2, explore 2 |" in text
     assert "from step 7: B=64 for 1 decisions; tokens/ms seen: chain 0.250, B=64 0.400" in text
+
+
+def test_budget_record_splits_each_group_at_its_first_finished_request():
+    """A prefill without drafts starts a group (a second prefill chunk before any decode step does not); its steps at
+    the group's batch size are the full batch, the rest its tail; an empty engine's output (batch 0) is neither."""
+    steps = [[1, 4, 0, False, None, False], [2, 4, 0, False, 3.0, False], [3, 4, 64, True, 5.0, False],
+             [4, 4, 64, True, 5.5, True], [5, 3, 64, False, 9.0, False], [6, 3, 15, True, 4.0, False],
+             [7, 1, 15, True, 3.5, False], [8, 0, 0, False, 0.1, False],
+             [9, 2, 0, False, 40.0, False], [10, 2, 32, True, 4.5, False], [11, 1, 32, True, 3.0, False]]
+    record = {"budgets": [15, 32, 64], "chain": 15, "columns": ["step", "batch_size", "budget", "verify_only",
+                                                                 "ms_since_last_output", "timed"], "steps": steps}
+    groups = br.group_table(record)
+    assert groups == [
+        {"size": 4, "prefill_ms": None, "full_steps": 2, "full_ms": 10.5, "tail_steps": 2, "tail_ms": 7.5,
+         "tail_budgets": {15: 2}},
+        {"size": 2, "prefill_ms": 40.0, "full_steps": 1, "full_ms": 4.5, "tail_steps": 1, "tail_ms": 3.0,
+         "tail_budgets": {32: 1}},
+    ]
+    assert "| 0 | 4 | None | 2 | 10.5 | 2 | 7.5 | 0.42 | chain 2 |" in br.report("r", record, {}, {}, 8, groups)

@@ -96,7 +96,8 @@ def group_table(record: dict) -> list[dict]:
     """Per group of requests that started together (bench_e2e's groups: one step prefills them all, with no drafts):
     its size, the interval that ended at that prefill's output (with the idle time before it), and its decode steps
     split into those at the full batch and the tail after its first request finished (every batch bucket below), with
-    the budgets the tail ran. On the small pair a tail took 40-55% of a batch-32 group's time (H100, 2026-12-07)."""
+    the budgets the tail ran. On the small pair a tail took 44-60% of a batch-32 / 64 group's decode time (H100,
+    2026-12-07)."""
     groups: list[dict] = []
     for row in rows(record, "steps"):
         if not row["verify_only"] and row["budget"] == 0 and row["batch_size"] > 0:
@@ -109,13 +110,14 @@ def group_table(record: dict) -> list[dict]:
     for group in groups:
         full = [r for r in group["steps"] if r["batch_size"] >= group["size"]]
         tail = [r for r in group["steps"] if r["batch_size"] < group["size"]]
-
-        def ms(steps: list[dict]) -> float:
-            return round(sum(r["ms_since_last_output"] or 0.0 for r in steps), 1)
         out.append({"size": group["size"], "prefill_ms": group["prefill_ms"], "full_steps": len(full),
-                    "full_ms": ms(full), "tail_steps": len(tail), "tail_ms": ms(tail),
+                    "full_ms": _total_ms(full), "tail_steps": len(tail), "tail_ms": _total_ms(tail),
                     "tail_budgets": dict(Counter(r["budget"] for r in tail))})
     return out
+
+
+def _total_ms(steps: list[dict]) -> float:
+    return round(sum(r["ms_since_last_output"] or 0.0 for r in steps), 1)
 
 
 def load(paths: list[Path]) -> list[tuple[str, dict]]:

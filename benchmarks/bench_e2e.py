@@ -45,6 +45,7 @@ from vllm_ddtree.config import BENCHMARK_ENV, CHAIN, DEFAULT_TREE_BUDGET, DEFAUL
 from vllm_ddtree.cuda_graphs import capture_size_covering
 from vllm_ddtree.hybrid import memory
 from vllm_ddtree.scheduler import PIN_ENV as BUDGET_PIN_ENV
+from vllm_ddtree.scheduler import RECORD_ENV as BUDGET_RECORD_ENV
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -67,6 +68,7 @@ CPU_DEFAULTS = {"batch_sizes": [4], "max_tokens": 32, "num_prompts": 4, "eager":
                 "warmup": False}
 GPU_DEFAULTS = {"batch_sizes": [1, 4], "max_tokens": 32, "num_prompts": None, "eager": False,
                 "max_num_batched_tokens": None, "warmup": True}
+STEP_RECORD_SCHEDULER = "step_record.make_scheduler"  # benchmarks/step_record.py (this script's directory)
 CONCURRENT_KV_CACHE_BYTES = 4 << 30  # per engine with --concurrent-engines
 TRACE_GROUPS, TRACE_TOKENS = 3, 12  # --trace-dir: groups of the last batch size traced one at a time, tokens each
 CPU_BANNER = ("bench_e2e on the CPU engine shows acceptance (tau: tokens per verify step) and losslessness (outputs "
@@ -111,6 +113,7 @@ def worker(args: dict) -> dict:
         **(hybrid_engine_args() if args["hybrid"] else {}),
         limit_mm_per_prompt=TEXT_ONLY_MM_LIMITS if args.get("multimodal") else None,  # text prompts only
         profiler_config=_trace_config(args),
+        scheduler_cls=_step_record_scheduler(args["spec"]),
     )
     engine_start_s = time.perf_counter() - started  # weights, compilation, CUDA-graph capture
     with _alone_on_the_device(args.get("side_by_side")):
@@ -125,6 +128,15 @@ def worker(args: dict) -> dict:
     return {"rows": rows, "async_scheduling": bool(engine_config.scheduler_config.async_scheduling),
             "model_runner": "V2" if engine_config.use_v2_model_runner else "V1",
             "engine_start_s": round(engine_start_s, 1)}
+
+
+def _step_record_scheduler(spec: dict | None) -> str | None:
+    """With ``VLLM_DDTREE_BUDGET_RECORD`` set, engines on vLLM's own scheduler (no-spec, the chain, a fixed ddtree
+    budget) record their steps too (step_record.py); the cost-aware ones record through their own scheduler."""
+    cost_aware = bool(spec) and spec["method"] == "ddtree" and (
+        "num_speculative_tokens" not in spec or "tree_budgets" in spec
+        or "num_speculative_tokens_per_batch_size" in spec)
+    return STEP_RECORD_SCHEDULER if os.environ.get(BUDGET_RECORD_ENV) and not cost_aware else None
 
 
 @contextmanager

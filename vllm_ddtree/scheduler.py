@@ -75,6 +75,21 @@ def pinned_choice(value: str, choices: tuple[int, ...]) -> int:
     return int(value)
 
 
+def write_step_record(directory: str, budgets, chain: int | None, steps, decisions) -> None:
+    """``budget_record_<pid>.json`` under ``directory``: ``steps`` rows in ``RECORD_COLUMNS``, ``decisions`` rows in
+    ``DECISION_COLUMNS`` (benchmarks/budget_record.py reads it). A diagnostic: a path that cannot be written is
+    logged, and the engine's stop goes on."""
+    path = Path(directory) / f"budget_record_{os.getpid()}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"budgets": list(budgets), "chain": chain, "columns": RECORD_COLUMNS,
+                                    "steps": list(steps), "decision_columns": DECISION_COLUMNS,
+                                    "decisions": list(decisions)}))
+        logger.info("ddtree step record: %d steps recorded in %s", len(steps), path)
+    except OSError as error:
+        logger.warning("ddtree step record could not be written (%s)", error)
+
+
 class _CostAwareBudgetMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -126,16 +141,8 @@ class _CostAwareBudgetMixin:
     def shutdown(self) -> None:
         logger.info("ddtree cost-aware budget, verify steps: %s", self.budget_policy.summary())
         if (record := self.budget_policy.record) is not None:
-            path = Path(self._record_dir) / f"budget_record_{os.getpid()}.json"
-            try:  # a diagnostic: a path that cannot be written must not fail the engine's stop
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"budgets": self.budget_policy.budgets, "chain": self.budget_policy.chain,
-                                            "columns": RECORD_COLUMNS, "steps": list(record),
-                                            "decision_columns": DECISION_COLUMNS,
-                                            "decisions": list(self.budget_policy.decisions)}))
-                logger.info("ddtree cost-aware budget: %d steps recorded in %s", len(record), path)
-            except OSError as error:
-                logger.warning("ddtree cost-aware budget: the step record could not be written (%s)", error)
+            write_step_record(self._record_dir, self.budget_policy.budgets, self.budget_policy.chain, record,
+                              self.budget_policy.decisions)
         super().shutdown()
 
 

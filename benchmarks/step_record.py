@@ -30,6 +30,8 @@ class _StepRecordMixin:
         self._budgets: set[int] = set()
         self._last_output: float | None = None
         self._outputs = 0
+        spec = self.vllm_config.speculative_config  # a chain engine's steps read "chain" in budget_record.py
+        self._chain = spec.num_speculative_tokens if spec is not None and spec.method != "ddtree" else None
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -44,7 +46,7 @@ class _StepRecordMixin:
         return outputs
 
     def shutdown(self) -> None:
-        write_step_record(self._record_dir, sorted(self._budgets), None, self._steps, ())
+        write_step_record(self._record_dir, sorted(self._budgets), self._chain, self._steps, ())
         super().shutdown()
 
 

@@ -285,6 +285,21 @@ def test_bench_e2e_reads_a_workers_result_line_and_not_a_traceback_quoting_it():
     assert be.worker_result('(Worker pid=7) partial BENCH_RESULT {"rows": [1]}\nINFO shutdown\n') == {"rows": [1]}
 
 
+def test_bench_e2e_records_the_steps_of_engines_on_vllms_scheduler_only(monkeypatch):
+    """With the step record asked for, the chain, no-spec and a fixed budget record through step_record.py; the
+    cost-aware engines keep their own scheduler (a scheduler_cls given to the default would turn its budget fixed)."""
+    be = _bench_e2e()
+    chain = {"method": "dflash", "num_speculative_tokens": 15}
+    fixed = {"method": "ddtree", "num_speculative_tokens": 64}
+    cost_aware = [{"method": "ddtree"}, {**fixed, "tree_budgets": [16, 64]},
+                  {**fixed, "num_speculative_tokens_per_batch_size": [[1, 8, 64]]}]
+    monkeypatch.delenv("VLLM_DDTREE_BUDGET_RECORD", raising=False)
+    assert [be._step_record_scheduler(s) for s in (None, chain, fixed)] == [None] * 3
+    monkeypatch.setenv("VLLM_DDTREE_BUDGET_RECORD", "/tmp/record")
+    assert [be._step_record_scheduler(s) for s in (None, chain, fixed)] == ["step_record.make_scheduler"] * 3
+    assert [be._step_record_scheduler(s) for s in cost_aware] == [None] * 3
+
+
 def test_bench_e2e_runs_the_named_configurations_in_the_order_named(capsys):
     """Engines run one after another; running the same names in another order tells a drifting host from an engine's
     own cost (H100, 2026-12-07: the default, run last, cost 0.5-2.5 ms a step more than B=64 before it)."""

@@ -210,3 +210,48 @@ def test_budget_record_splits_each_group_at_its_first_finished_request():
          "tail_budgets": {32: 1}},
     ]
     assert "| 0 | 4 | None | 2 | 10.5 | 2 | 7.5 | 0.42 | chain 2 |" in br.report("r", record, {}, {}, 8, groups)
+
+
+def test_an_engine_on_vllms_scheduler_records_steps_the_group_table_reads(tmp_path, monkeypatch):
+    """bench_e2e's chain engine (vLLM's scheduler with step_record.py's recording) writes the cost-aware engine's
+    record: one row per step output with its batch size, verified drafts and interval, read by the group table."""
+    import json
+    from types import SimpleNamespace
+
+    sr = _load("step_record")
+    monkeypatch.setenv("VLLM_DDTREE_BUDGET_RECORD", str(tmp_path))
+    clock = iter([10.0, 10.040, 10.045, 10.0455, 10.050])
+    monkeypatch.setattr(sr.time, "monotonic", lambda: next(clock))
+
+    class VLLMScheduler:
+        def __init__(self, vllm_config):
+            self.vllm_config = vllm_config
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return "outputs"
+
+        def shutdown(self):
+            self.stopped = True
+
+    class Recording(sr._StepRecordMixin, VLLMScheduler):
+        pass
+
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method="dflash", num_speculative_tokens=15))
+    scheduler = Recording(vllm_config=config)
+    prefill = SimpleNamespace(num_scheduled_tokens={"a": 9, "b": 7}, scheduled_spec_decode_tokens={},
+                              scheduled_new_reqs=["a", "b"])
+    both = SimpleNamespace(num_scheduled_tokens={"a": 16, "b": 16}, scheduled_new_reqs=[],
+                           scheduled_spec_decode_tokens={"a": [1] * 15, "b": [1] * 15})
+    last = SimpleNamespace(num_scheduled_tokens={"b": 16}, scheduled_spec_decode_tokens={"b": [1] * 15},
+                           scheduled_new_reqs=[])
+    for step in (prefill, both, both, last):
+        assert scheduler.update_from_output(step, None) == "outputs"
+    scheduler.shutdown()
+    assert scheduler.stopped
+    [(name, record)] = br.load([tmp_path])
+    assert record["budgets"] == [15] and record["chain"] == 15 and record["decisions"] == []
+    assert [row[:5] for row in record["steps"]] == [[1, 2, 0, False, None], [2, 2, 15, True, 40.0],
+                                                    [3, 2, 15, True, 5.0], [4, 1, 15, True, 0.5]]
+    assert br.group_table(record) == [{"size": 2, "prefill_ms": None, "full_steps": 2, "full_ms": 45.0,
+                                       "tail_steps": 1, "tail_ms": 0.5, "tail_budgets": {15: 1}}]
+    assert json.loads((tmp_path / name).read_text())["columns"][4] == "ms_since_last_output"

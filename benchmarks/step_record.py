@@ -27,7 +27,6 @@ class _StepRecordMixin:
         super().__init__(*args, **kwargs)
         self._record_dir = os.environ[RECORD_ENV]
         self._steps: deque[tuple] = deque(maxlen=RECORD_STEPS)
-        self._budgets: set[int] = set()
         self._last_output: float | None = None
         self._outputs = 0
         spec = self.vllm_config.speculative_config  # a chain engine's steps read "chain" in budget_record.py
@@ -41,12 +40,12 @@ class _StepRecordMixin:
         self._outputs += 1
         self._steps.append((self._outputs, len(scheduler_output.num_scheduled_tokens), budget, verify_only,
                             since, False))
-        self._budgets.update([budget] if verify_only else [])
         self._last_output = now
         return outputs
 
     def shutdown(self) -> None:
-        write_step_record(self._record_dir, sorted(self._budgets), self._chain, self._steps, ())
+        budgets = sorted({row[2] for row in self._steps if row[3]})  # those of the verify-only steps
+        write_step_record(self._record_dir, budgets, self._chain, self._steps, ())
         super().shutdown()
 
 

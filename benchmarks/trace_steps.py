@@ -7,8 +7,11 @@ profiler over whole runs (``host_profile.py``) cannot single out one step per re
 requests one at a time under vLLM's torch profiler with Python frames; this script cuts each engine's trace at
 vLLM's per-step annotation (``execute_context_<prefills>..._generation_<decodes>...``) and reports, per step kind
 (the prefill step, the first decode step after it, the later decode steps), the host period from one step's start to
-the next, the device time of its kernels, and the Python functions with the most time inside those periods,
-inclusive and self, against the base configuration:
+the next, the device time and count of its kernels, the CUDA API calls its host made (launches of kernels, graphs
+and Triton kernels; copies; waits, whose duration a blocking one shows), and the Python functions with the most time
+inside those periods, inclusive and self, against the base configuration. Launches and waits tell what Python
+frames do not: the default engine pinned to the chain took 0.3-0.8 ms a step more than vLLM's chain engine at every
+batch size on the pair (H100, 2026-12-08), where the step is host-bound:
 
     python benchmarks/trace_steps.py DIR [--base dflash] [--top 20] [--out DIR/trace_steps.json]
 
@@ -29,6 +32,9 @@ from pathlib import Path
 
 STEP = re.compile(r"execute_context_(\d+)")  # vLLM's annotation of each execute_model (gpu_worker.annotate_profile)
 KINDS = ("prefill", "first decode", "later decode")
+# The CUDA API calls the profiler records on the host: launches (a kernel, a graph, a Triton kernel through the
+# driver), copies and waits. A blocking call (a synchronize, a copy to pageable memory) shows as its duration.
+RUNTIME = ("cuda_runtime", "cuda_driver")
 ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-f]+")  # built-ins are named by address: differs between engines
 
 
@@ -87,9 +93,18 @@ def summarise(events: list[dict], top: int) -> dict:
         return steps[i] if i >= 0 and ts < steps[i]["end"] else None
 
     device = defaultdict(float)  # step start -> kernel us
+    kernels = defaultdict(int)  # step start -> kernels
+    runtime_calls = {kind: defaultdict(int) for kind in KINDS}
+    runtime_us = {kind: defaultdict(float) for kind in KINDS}
     for e in events:
-        if e.get("cat") == "kernel" and (step := step_of(e["ts"])) is not None:
+        if (step := step_of(e["ts"])) is None:
+            continue
+        if e.get("cat") == "kernel":
             device[step["start"]] += e["dur"]
+            kernels[step["start"]] += 1
+        elif e.get("cat") in RUNTIME:
+            runtime_calls[step["kind"]][e["name"]] += 1
+            runtime_us[step["kind"]][e["name"]] += e["dur"]
     inclusive = {kind: defaultdict(float) for kind in KINDS}
     own = {kind: defaultdict(float) for kind in KINDS}
     for name, ts, incl, self_us in python_times(events):
@@ -106,6 +121,10 @@ def summarise(events: list[dict], top: int) -> dict:
             "steps": n,
             "period_ms": round(statistics.median(w["period_us"] for w in windows) / 1e3, 3),
             "device_ms": round(statistics.median(device[w["start"]] for w in windows) / 1e3, 3),
+            "kernels": statistics.median(kernels[w["start"]] for w in windows),
+            "launches": round(sum(c for f, c in runtime_calls[kind].items() if "Launch" in f) / n, 1),
+            "runtime_calls": {f: round(c / n, 2) for f, c in runtime_calls[kind].items()},
+            "runtime_ms": _per_step(runtime_us[kind], n, top * 4),
             "inclusive_ms": _per_step(inclusive[kind], n, top * 4),
             "self_ms": _per_step(own[kind], n, top * 4),
         }
@@ -144,12 +163,14 @@ def main(argv: list[str] | None = None) -> dict:
         traces = sorted(folder.rglob("*.json*"))
         if traces:
             report[folder.name] = summarise([e for t in traces for e in load_events(t)], args.top)
-    print(f"{'config':24s} {'step':13s} {'steps':>5s} {'period ms':>9s} {'device ms':>9s}")
+    print(f"{'config':24s} {'step':13s} {'steps':>5s} {'period ms':>9s} {'device ms':>9s} {'kernels':>7s} "
+          f"{'launches':>8s}")
     for name, entry in report.items():
         for kind, row in entry.items():
-            print(f"{name:24s} {kind:13s} {row['steps']:5d} {row['period_ms']:9.3f} {row['device_ms']:9.3f}")
+            print(f"{name:24s} {kind:13s} {row['steps']:5d} {row['period_ms']:9.3f} {row['device_ms']:9.3f} "
+                  f"{row['kernels']:7.0f} {row['launches']:8.1f}")
     for kind in KINDS:
-        for key in ("inclusive_ms", "self_ms"):
+        for key in ("inclusive_ms", "self_ms", "runtime_calls", "runtime_ms"):
             for name, deltas in differences(report, args.base, kind, key, args.top).items():
                 print(f"\n{name} against {args.base}, {kind} step, {key.replace('_', ' ')} per step (+ more):")
                 for function, delta in deltas:

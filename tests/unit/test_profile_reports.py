@@ -90,9 +90,9 @@ def test_gc_pauses_counts_collections_per_generation(tmp_path):
 
 
 def test_trace_steps_splits_steps_by_kind_and_times_python_frames(tmp_path):
-    """vLLM's step annotations cut the trace: the step after a prefill is the first decode; kernels and Python frames
-    count in the step they start in, a frame's self time is its duration less its children's; the last annotation
-    (no next start) is dropped; the differences are against the base configuration."""
+    """vLLM's step annotations cut the trace: the step after a prefill is the first decode; kernels, CUDA API calls
+    and Python frames count in the step they start in, a frame's self time is its duration less its children's; the
+    last annotation (no next start) is dropped; the differences are against the base configuration."""
     import gzip
     import json
 
@@ -111,6 +111,14 @@ def test_trace_steps_splits_steps_by_kind_and_times_python_frames(tmp_path):
                        "dur": 300.0 + prefill_extra_us, "pid": 1, "tid": 1})
         events.append({"ph": "X", "cat": "python_function", "name": "build", "ts": 150.0,
                        "dur": 200.0 + prefill_extra_us, "pid": 1, "tid": 1})
+        # Each later decode step: a graph launch, and with the extra one Triton launch and a 150 us wait.
+        for start in starts[2:4]:
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": start + 5, "dur": 8.0})
+            if prefill_extra_us:
+                events.append({"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": start + 20,
+                               "dur": 4.0})
+                events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize",
+                               "ts": start + 30, "dur": 150.0})
         return events
 
     for config, extra in (("dflash", 0.0), ("ddtree_B_64", 800.0)):
@@ -122,6 +130,12 @@ def test_trace_steps_splits_steps_by_kind_and_times_python_frames(tmp_path):
     assert tree["prefill"]["steps"] == 1 and tree["prefill"]["period_ms"] == 1.8
     assert tree["first decode"]["steps"] == 1 and tree["later decode"]["steps"] == 2
     assert tree["later decode"]["period_ms"] == 0.4 and tree["prefill"]["device_ms"] == 0.1
+    assert tree["prefill"]["kernels"] == 1 and tree["prefill"]["launches"] == 0
+    later = tree["later decode"]
+    assert later["launches"] == 2 and report["dflash"]["later decode"]["launches"] == 1
+    assert later["runtime_ms"]["cudaStreamSynchronize"] == 0.15
+    assert dict(ts.differences(report, "dflash", "later decode", "runtime_calls", 5)["ddtree_B_64"]) == {
+        "cuLaunchKernel": 1.0, "cudaStreamSynchronize": 1.0, "cudaGraphLaunch": 0.0}
     assert tree["prefill"]["inclusive_ms"] == {"propose": 1.1, "build": 1.0}
     assert tree["prefill"]["self_ms"] == {"build": 1.0, "propose": 0.1}
     assert "first decode" in report["dflash"] and not report["dflash"]["first decode"]["self_ms"]
@@ -204,12 +218,12 @@ def test_budget_record_splits_each_group_at_its_first_finished_request():
                                                                  "ms_since_last_output", "timed"], "steps": steps}
     groups = br.group_table(record)
     assert groups == [
-        {"size": 4, "prefill_ms": None, "full_steps": 2, "full_ms": 10.5, "tail_steps": 2, "tail_ms": 7.5,
-         "tail_budgets": {15: 2}},
-        {"size": 2, "prefill_ms": 40.0, "full_steps": 1, "full_ms": 4.5, "tail_steps": 1, "tail_ms": 3.0,
-         "tail_budgets": {32: 1}},
+        {"size": 4, "prefill_ms": None, "full_steps": 2, "full_ms": 10.5, "full_median_ms": 5.25, "tail_steps": 2,
+         "tail_ms": 7.5, "tail_budgets": {15: 2}},
+        {"size": 2, "prefill_ms": 40.0, "full_steps": 1, "full_ms": 4.5, "full_median_ms": 4.5, "tail_steps": 1,
+         "tail_ms": 3.0, "tail_budgets": {32: 1}},
     ]
-    assert "| 0 | 4 | None | 2 | 10.5 | 2 | 7.5 | 0.42 | chain 2 |" in br.report("r", record, {}, {}, 8, groups)
+    assert "| 0 | 4 | None | 2 | 10.5 | 5.25 | 2 | 7.5 | 0.42 | chain 2 |" in br.report("r", record, {}, {}, 8, groups)
 
 
 def test_an_engine_on_vllms_scheduler_records_steps_the_group_table_reads(tmp_path, monkeypatch):
@@ -253,5 +267,6 @@ def test_an_engine_on_vllms_scheduler_records_steps_the_group_table_reads(tmp_pa
     assert [row[:5] for row in record["steps"]] == [[1, 2, 0, False, None], [2, 2, 15, True, 40.0],
                                                     [3, 2, 15, True, 5.0], [4, 1, 15, True, 0.5]]
     assert br.group_table(record) == [{"size": 2, "prefill_ms": None, "full_steps": 2, "full_ms": 45.0,
-                                       "tail_steps": 1, "tail_ms": 0.5, "tail_budgets": {15: 1}}]
+                                       "full_median_ms": 22.5, "tail_steps": 1, "tail_ms": 0.5,
+                                       "tail_budgets": {15: 1}}]
     assert json.loads((tmp_path / name).read_text())["columns"][4] == "ms_since_last_output"

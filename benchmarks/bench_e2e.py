@@ -711,6 +711,8 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 "cached_prompt_tokens": row.get("cached_prompt_tokens"),
                 "decode_ms_per_token": row.get("decode_ms_per_token"),
                 "host_cpu": row.get("host_cpu"),
+                "group_seconds": row.get("group_seconds"),
+                "vs_chain_by_group": _ratios_by_group(row, chain_row),
             })
             if row.get("prefill_tokens_per_s"):
                 ref_prefill = ref_row and ref_row.get("prefill_tokens_per_s")
@@ -725,6 +727,16 @@ def summarise(results: dict[str, dict | None]) -> list[dict]:
                 table[-1]["outputs_differing_from_same_backend_no_spec"] = sum(
                     a != b for a, b in zip(row["token_ids"], same["rows"][i]["token_ids"]))
     return table
+
+
+def _ratios_by_group(row: dict, chain_row: dict | None) -> list[float] | None:
+    """Per group of requests, the chain's wall time over this row's: the same prompts make the same tokens (greedy),
+    so each is that group's tokens/s against the chain. One engine's steps moved by up to 1.8x from one group to the
+    next (H100, 2026-12-08, the pair at batch 32), so a ratio over two or three groups wants each group's beside it."""
+    mine, chain = row.get("group_seconds"), chain_row and chain_row.get("group_seconds")
+    if not mine or not chain or len(mine) != len(chain):
+        return None
+    return [round(c / m, 3) for m, c in zip(mine, chain)]
 
 
 def _cell(value: float | None, width: int, digits: int) -> str:
@@ -752,6 +764,9 @@ def print_table(table: list[dict]) -> None:
                   f"{statistics.median(t['first_token_ms_each']):.1f} ms: queued "
                   f"{statistics.median(t['queued_ms_each']):.1f}, scheduled -> first token "
                   f"{statistics.median(t['scheduled_to_first_token_ms_each']):.1f}")
+    for t in table:
+        if (by_group := t.get("vs_chain_by_group")) and t["config"] != "dflash":
+            print(f"{t['config']:24s} {t['batch']:5d} x chain by group: " + " ".join(f"{r:.3f}" for r in by_group))
     for t in table:
         if cpu := t.get("host_cpu"):  # CPU-seconds per second while this row was timed
             print(f"{t['config']:24s} {t['batch']:5d} host CPUs used: engine {cpu['own']:.2f}, elsewhere "

@@ -404,3 +404,22 @@ def test_bench_e2e_prints_each_rows_host_cpu_use(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if "host CPUs used" in line]
     assert lines == ["ddtree B=64                  8 host CPUs used: engine 1.25, elsewhere 0.50 (EngineCore[42] "
                      "0.40), steal 2.0%, over 12.0 s"]
+
+
+def test_bench_e2e_keeps_each_groups_time_and_its_ratio_to_the_chains(capsys):
+    """Each row keeps its groups' wall times, and beside the chain's (same prompts, same tokens) each group's ratio:
+    a whole-run ratio over two or three groups is read with its groups' spread. Rows whose groups do not pair up
+    with the chain's (another count) get none."""
+    be = _bench_e2e()
+    row = {"batch": 8, "tokens_per_s": 100.0, "tau": 2.0, "token_ids": [[1, 2]], "accepted_per_position": None}
+    table = be.summarise({"dflash": {"rows": [{**row, "group_seconds": [2.0, 1.0, 0.5]}]},
+                          "ddtree default": {"rows": [{**row, "group_seconds": [1.6, 1.25, 0.5]}]},
+                          "ddtree B=64": {"rows": [{**row, "group_seconds": [1.0, 1.0]}]}})
+    by_name = {t["config"]: t for t in table}
+    assert by_name["ddtree default"]["group_seconds"] == [1.6, 1.25, 0.5]
+    assert by_name["ddtree default"]["vs_chain_by_group"] == [1.25, 0.8, 1.0]
+    assert by_name["dflash"]["vs_chain_by_group"] == [1.0, 1.0, 1.0]
+    assert by_name["ddtree B=64"]["vs_chain_by_group"] is None
+    be.print_table(table)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "by group" in line]
+    assert lines == ["ddtree default               8 x chain by group: 1.250 0.800 1.000"]
